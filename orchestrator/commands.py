@@ -1,0 +1,48 @@
+"""Sub-commands of the orchestrator package: `model init`, `generate` (and later `run`).
+
+`register` stays light: heavy imports (torch, vLLM) happen inside the handlers.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(sub, bench_sub) -> None:
+    model = sub.add_parser("model", help="build local models")
+    model_sub = model.add_subparsers(dest="model_command", metavar="ACTION", required=True)
+    init = model_sub.add_parser(
+        "init", help="build a Qwen2-architecture model with random weights and a locally trained tokenizer")
+    init.add_argument("dir", help="output directory (must not exist or be empty)")
+    init.add_argument("--seed", type=int, default=0, help="weights seed; the same seed gives identical files")
+    init.add_argument("--preset", choices=["tiny", "small"], default="tiny",
+                      help="tiny: ~0.5M parameters (tests); small: ~70M (benchmarks)")
+    init.set_defaults(func=cmd_model_init)
+
+    gen = sub.add_parser("generate", help="a smoke test: sample completions and show tokens, logprobs, versions")
+    gen.add_argument("--model", required=True, help="model directory (see: inflight model init)")
+    gen.add_argument("--prompt", required=True, help="prompt text (wrapped in the chat template unless --raw)")
+    gen.add_argument("-n", type=int, default=2, help="completions of the prompt (a GRPO group)")
+    gen.add_argument("--max-tokens", type=int, default=16)
+    gen.add_argument("--temperature", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--engine", choices=["inproc", "server"], default="inproc")
+    gen.add_argument("--raw", action="store_true", help="tokenize the prompt as is, without the chat template")
+    gen.add_argument("--json", action="store_true", help="print one JSON object per completion")
+    gen.set_defaults(func=cmd_generate)
+
+
+def cmd_model_init(args: argparse.Namespace) -> int:
+    from orchestrator.model import build_model
+
+    out, n_params = build_model(args.dir, preset=args.preset, seed=args.seed)
+    print(f"{out}\t{n_params} parameters ({args.preset}, seed {args.seed})")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import anyio
+
+    from orchestrator.generate import run_generate
+
+    return anyio.run(run_generate, args)

@@ -1,0 +1,224 @@
+"""The engine interface the rest of inflight-rl uses, over a real vLLM.
+
+An `Engine` takes prompt token ids and sampling settings and streams back `TokenChunk`s: the
+sampled token ids, the logprob of each sampled token, and, on the final chunk, the engine's
+per-token weight versions (vLLM reports `WeightVersionSpan`s when a request finishes). It can
+abort one request, pause (abort / wait / keep) and resume, report health, and shut down.
+
+Implementations: `inproc.InProcessEngine` (vLLM `AsyncLLM` in this process) and
+`server.ServerEngine` (a vLLM OpenAI-compatible server process, started here or attached to by
+URL). Every remote call carries a timeout; a dead engine raises `EngineDeadError`.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from collections.abc import AsyncIterator, Sequence
+from typing import Literal
+
+import msgspec
+
+from orchestrator.errors import ConfigError
+
+PauseMode = Literal["abort", "wait", "keep"]
+PAUSE_MODES: tuple[str, ...] = ("abort", "wait", "keep")
+
+
+class SamplingSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Sampling settings of one request; `validate()` names the first bad field."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables top-k (vLLM 0.32 semantics)
+    max_tokens: int = 64
+    min_tokens: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def validate(self) -> SamplingSettings:
+        def bad(field: str, reason: str) -> ConfigError:
+            return ConfigError(f"sampling.{field}", reason)
+
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)):
+            raise bad("temperature", f"must be a finite number, got {self.temperature!r}")
+        if self.temperature < 0:
+            raise bad("temperature", f"must be >= 0, got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise bad("top_k", f"must be >= 0 (0 or -1 disables it), got {self.top_k}")
+        if self.max_tokens < 1:
+            raise bad("max_tokens", f"must be >= 1, got {self.max_tokens}")
+        if not (0 <= self.min_tokens <= self.max_tokens):
+            raise bad("min_tokens", f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        if self.seed is not None and self.seed < 0:
+            raise bad("seed", f"must be >= 0, got {self.seed}")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "token ids must be >= 0")
+        return self
+
+    def to_vllm(self) -> dict:
+        """Keyword arguments for `vllm.SamplingParams`; logprobs=0 asks for the sampled token's."""
+        return {
+            "temperature": float(self.temperature),
+            "top_p": float(self.top_p),
+            "top_k": int(self.top_k),
+            "max_tokens": int(self.max_tokens),
+            "min_tokens": int(self.min_tokens),
+            "seed": self.seed,
+            "stop_token_ids": list(self.stop_token_ids),
+            "ignore_eos": bool(self.ignore_eos),
+            "logprobs": 0,
+        }
+
+
+class VersionSpan(msgspec.Struct, frozen=True, array_like=True):
+    """Output tokens [start, end) were sampled under policy `version`."""
+
+    version: int
+    start: int
+    end: int
+
+
+class TokenChunk(msgspec.Struct):
+    """New tokens of one request. The last chunk has `finished=True` and, when the engine
+    reported them, the version spans covering every output token of the request."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finished: bool = False
+    finish_reason: str | None = None
+    version_spans: list[VersionSpan] | None = None
+
+
+class Completion(msgspec.Struct):
+    """A whole completion, assembled from its chunks (see `collect`)."""
+
+    request_id: str
+    engine_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int] | None
+    finish_reason: str | None
+
+    @property
+    def version_spans(self) -> list[VersionSpan]:
+        return spans_from_versions(self.versions or [])
+
+
+def parse_version(label: str | int | None) -> int:
+    """vLLM labels versions with strings; ours are integers ("default" is the initial weights)."""
+    if label is None or label == "default":
+        return 0
+    try:
+        return int(label)
+    except (TypeError, ValueError):
+        raise ValueError(f"weight version label {label!r} is not an integer") from None
+
+
+def versions_from_spans(spans: Sequence[VersionSpan], n_tokens: int) -> list[int]:
+    """Expand spans to one version per token, checking that they cover exactly n_tokens."""
+    out: list[int] = []
+    for span in spans:
+        if span.start != len(out) or span.end < span.start:
+            raise ValueError(f"version spans are not contiguous at token {len(out)}: {spans}")
+        out.extend([span.version] * (span.end - span.start))
+    if len(out) != n_tokens:
+        raise ValueError(f"version spans cover {len(out)} tokens, the completion has {n_tokens}")
+    return out
+
+
+def spans_from_versions(versions: Sequence[int]) -> list[VersionSpan]:
+    spans: list[VersionSpan] = []
+    for i, v in enumerate(versions):
+        if spans and spans[-1].version == v:
+            spans[-1] = VersionSpan(v, spans[-1].start, i + 1)
+        else:
+            spans.append(VersionSpan(v, i, i + 1))
+    return spans
+
+
+class Engine(abc.ABC):
+    """One inference engine. Safe to call from one asyncio event loop."""
+
+    engine_id: str
+
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Start (or attach to) the engine and wait until it serves; idempotent."""
+
+    @abc.abstractmethod
+    def generate(self, request_id: str, prompt_token_ids: Sequence[int],
+                 sampling: SamplingSettings) -> AsyncIterator[TokenChunk]:
+        """Stream the completion of one request. Raises EngineGenerateError when the request
+        fails, EngineDeadError when the engine is gone, EngineTimeoutError past the
+        per-chunk timeout. A request aborted with `abort()` ends with finish_reason "abort"."""
+
+    @abc.abstractmethod
+    async def abort(self, request_id: str) -> None:
+        """Abort one request; others continue."""
+
+    @abc.abstractmethod
+    async def pause(self, mode: PauseMode = "keep", clear_cache: bool = True) -> None:
+        """Stop scheduling. `keep` holds in-flight requests, `wait` lets them finish first,
+        `abort` aborts them."""
+
+    @abc.abstractmethod
+    async def resume(self) -> None: ...
+
+    @abc.abstractmethod
+    async def is_paused(self) -> bool: ...
+
+    @abc.abstractmethod
+    async def healthy(self) -> bool:
+        """True when the engine answers; never raises."""
+
+    @abc.abstractmethod
+    async def set_weight_version(self, version: int) -> None:
+        """Label tokens sampled from now on with `version`."""
+
+    @abc.abstractmethod
+    async def reset_prefix_cache(self) -> None:
+        """Forget cached prefixes so no new request reuses keys/values of older weights."""
+
+    @abc.abstractmethod
+    async def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None,
+                             timeout: float | None = None) -> list:
+        """Call a worker(-extension) method on every worker; returns one result per worker."""
+
+    @abc.abstractmethod
+    async def shutdown(self) -> None:
+        """Stop the engine (and any process this object started); idempotent."""
+
+    async def complete(self, request_id: str, prompt_token_ids: Sequence[int],
+                       sampling: SamplingSettings) -> Completion:
+        """Generate one request to its end and assemble the completion."""
+        return await collect(self, request_id, prompt_token_ids, sampling)
+
+    async def __aenter__(self) -> Engine:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.shutdown()
+
+
+async def collect(engine: Engine, request_id: str, prompt_token_ids: Sequence[int],
+                  sampling: SamplingSettings) -> Completion:
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    finish_reason: str | None = None
+    spans: list[VersionSpan] | None = None
+    async for chunk in engine.generate(request_id, prompt_token_ids, sampling):
+        tokens.extend(chunk.token_ids)
+        logprobs.extend(chunk.logprobs)
+        if chunk.finished:
+            finish_reason = chunk.finish_reason
+            spans = chunk.version_spans
+    versions = versions_from_spans(spans, len(tokens)) if spans is not None else None
+    return Completion(request_id=request_id, engine_id=engine.engine_id,
+                      prompt_token_ids=list(prompt_token_ids), token_ids=tokens,
+                      logprobs=logprobs, versions=versions, finish_reason=finish_reason)

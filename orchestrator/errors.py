@@ -1,0 +1,53 @@
+"""The error tree of inflight-rl, in one place.
+
+    InflightError                     base of every error the `inflight` command reports as one line
+    ├── ConfigError(field, reason)    bad configuration or command-line value; names the field
+    ├── ModelError(path, reason)      a model directory that is missing, empty or unreadable
+    └── EngineError                   anything an inference engine did wrong
+        ├── EngineGenerateError       one request failed; the engine still serves (recoverable)
+        ├── EngineTimeoutError        a remote call passed its deadline; the engine may be alive
+        └── EngineDeadError           the engine is gone (process exited, socket refused); fatal
+                                      for that engine, which reports unhealthy from then on
+
+`replay` and `transports` never import `orchestrator`, so they keep their own small trees
+(`replay.errors.ReplayError`, `transports.base.TransportError`); the CLI treats those as
+`InflightError`s too.
+"""
+
+from __future__ import annotations
+
+
+class InflightError(Exception):
+    """Base of every expected, user-facing failure."""
+
+
+class ConfigError(InflightError, ValueError):
+    def __init__(self, field: str, reason: str) -> None:
+        self.field = field
+        self.reason = reason
+        super().__init__(f"{field}: {reason}")
+
+
+class ModelError(InflightError):
+    def __init__(self, path: object, reason: str) -> None:
+        self.path = str(path)
+        self.reason = reason
+        super().__init__(f"model {self.path}: {reason}")
+
+
+class EngineError(InflightError):
+    def __init__(self, engine_id: str, message: str) -> None:
+        self.engine_id = engine_id
+        super().__init__(f"engine {engine_id}: {message}")
+
+
+class EngineGenerateError(EngineError):
+    """A single request failed; other requests and the engine are unaffected."""
+
+
+class EngineTimeoutError(EngineError):
+    """A call to the engine did not answer within its timeout."""
+
+
+class EngineDeadError(EngineError):
+    """The engine process is gone; every in-flight and future call fails with this."""

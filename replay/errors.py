@@ -1,0 +1,50 @@
+"""Errors raised by the replay log.
+
+    ReplayError                  base of every expected failure in `replay` (bad input, bad file)
+    +-- CorruptRecordError       bytes on disk fail their frame check (length, CRC32C) before
+    |                            the torn tail; names the segment file and the byte offset
+    +-- InvalidRecordError       a record whose content breaks the schema or an invariant
+    |                            (wrong type, NaN logprob, unequal lengths, versions going
+    |                            backwards); names the field, and the segment/offset when read
+    +-- LogNotFoundError         a directory that holds no replay log
+
+`InvalidRecordError` deliberately does not derive from `ValueError`/`TypeError`: msgspec wraps
+those when they escape `__post_init__` during decoding, and we want the field name to survive.
+"""
+
+from __future__ import annotations
+
+
+class ReplayError(Exception):
+    """Base class of every expected failure raised by `replay`."""
+
+
+class CorruptRecordError(ReplayError):
+    """A record whose frame (length or CRC32C) does not check out, before the torn tail."""
+
+    def __init__(self, segment: str, offset: int, reason: str) -> None:
+        self.segment = segment
+        self.offset = offset
+        self.reason = reason
+        super().__init__(f"corrupt record in segment {segment} at byte offset {offset}: {reason}")
+
+
+class InvalidRecordError(ReplayError):
+    """A record that breaks the schema or an invariant; names the offending field."""
+
+    def __init__(self, field: str, reason: str, *, segment: str | None = None,
+                 offset: int | None = None) -> None:
+        self.field = field
+        self.reason = reason
+        self.segment = segment
+        self.offset = offset
+        where = "" if segment is None else f" in segment {segment} at byte offset {offset}"
+        super().__init__(f"invalid record{where}: field `{field}`: {reason}")
+
+    def at(self, segment: str, offset: int) -> InvalidRecordError:
+        """The same error, located in a file (used by readers)."""
+        return InvalidRecordError(self.field, self.reason, segment=segment, offset=offset)
+
+
+class LogNotFoundError(ReplayError):
+    """The given directory holds no replay log segments."""

@@ -1,0 +1,223 @@
+"""Export a replay log to Parquet: one row per rollout, optionally one row per token.
+
+Written with pyarrow in row groups as the log is scanned, so memory stays bounded; the files
+read back with DuckDB (`SELECT * FROM 'out.parquet'`), polars (`pl.read_parquet`) or pandas.
+The consuming step of each rollout comes from its record or from a later ConsumptionRecord,
+so the log is read twice: once (cheaply) for consumption, once for the rows.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from replay.log import FileSystem, LogReader
+from replay.records import (
+    INT32,
+    ConsumptionRecord,
+    Dropped,
+    Errored,
+    RolloutRecord,
+    decode_record,
+)
+
+ROLLOUT_SCHEMA = pa.schema([
+    ("rollout_id", pa.int64()),
+    ("group_id", pa.int64()),
+    ("prompt_id", pa.string()),
+    ("engine_id", pa.string()),
+    ("status", pa.string()),
+    ("drop_reason", pa.string()),
+    ("error_kind", pa.string()),
+    ("error_message", pa.string()),
+    ("dispatched_version", pa.int64()),
+    ("span_start", pa.int64()),
+    ("span_end", pa.int64()),
+    ("n_versions", pa.int32()),
+    ("prompt_tokens", pa.int32()),
+    ("completion_tokens", pa.int32()),
+    ("kv_carried_across_versions", pa.bool_()),
+    ("consumed_step", pa.int64()),
+    ("staleness", pa.int64()),
+    ("rewards", pa.map_(pa.string(), pa.float64())),
+    ("temperature", pa.float64()),
+    ("top_p", pa.float64()),
+    ("top_k", pa.int64()),
+    ("min_p", pa.float64()),
+    ("max_tokens", pa.int64()),
+    ("seed", pa.int64()),
+    ("base_checkpoint", pa.string()),
+    ("tokenizer_hash", pa.string()),
+    ("chat_template_hash", pa.string()),
+    ("serving_precision", pa.string()),
+    ("dispatched_at", pa.float64()),
+    ("first_token_at", pa.float64()),
+    ("finished_at", pa.float64()),
+    ("segment", pa.string()),
+    ("offset", pa.int64()),
+])
+
+TOKEN_SCHEMA = pa.schema([
+    ("rollout_id", pa.int64()),
+    ("position", pa.int32()),
+    ("token_id", pa.int32()),
+    ("logprob", pa.float32()),
+    ("version", pa.int32()),
+    ("lag", pa.int64()),  # consuming step - version; null when no step consumed the rollout
+])
+
+
+class ExportResult(msgspec.Struct):
+    rollouts: int
+    tokens: int
+    corrupt_records: int
+    invalid_records: int
+
+
+class _TypeOnly(msgspec.Struct):
+    """Decodes just enough of any record to find consumption (blobs are skipped, not copied)."""
+
+    type: str
+
+
+def default_tokens_path(out: str | os.PathLike[str]) -> str:
+    stem, _ = os.path.splitext(os.fspath(out))
+    return f"{stem}.tokens.parquet"
+
+
+def export_parquet(run_dir: str | os.PathLike[str], out: str | os.PathLike[str], *,
+                   tokens_out: str | os.PathLike[str] | None = None, lenient: bool = False,
+                   batch_rollouts: int = 4096, fs: FileSystem | None = None,
+                   on_record: Callable[[], None] | None = None) -> ExportResult:
+    consumed = _consumption(run_dir, lenient, fs)
+    reader = LogReader(run_dir, lenient=lenient, fs=fs)
+    rollout_writer = pq.ParquetWriter(os.fspath(out), ROLLOUT_SCHEMA)
+    token_writer = pq.ParquetWriter(os.fspath(tokens_out), TOKEN_SCHEMA) if tokens_out else None
+    n_rollouts = n_tokens = 0
+    batch: list[tuple[str, int, RolloutRecord]] = []
+
+    def flush() -> None:
+        nonlocal n_tokens
+        rows = [_rollout_row(seg, off, rec, consumed) for seg, off, rec in batch]
+        rollout_writer.write_table(pa.Table.from_pylist(rows, schema=ROLLOUT_SCHEMA))
+        if token_writer is not None:
+            table = _token_table([rec for _, _, rec in batch], consumed)
+            token_writer.write_table(table)
+            n_tokens += table.num_rows
+        batch.clear()
+
+    try:
+        for located in reader.located():
+            if on_record is not None:
+                on_record()
+            if isinstance(located.record, RolloutRecord):
+                batch.append((located.segment, located.offset, located.record))
+                n_rollouts += 1
+                if len(batch) >= batch_rollouts:
+                    flush()
+        if batch or n_rollouts == 0:
+            flush()
+    finally:
+        rollout_writer.close()
+        if token_writer is not None:
+            token_writer.close()
+    return ExportResult(n_rollouts, n_tokens, reader.corrupt_records, reader.invalid_records)
+
+
+def _consumption(run_dir: str | os.PathLike[str], lenient: bool,
+                 fs: FileSystem | None) -> dict[int, int]:
+    """rollout id -> consuming step, from ConsumptionRecords (checksums verified)."""
+    probe = msgspec.msgpack.Decoder(_TypeOnly)
+    consumed: dict[int, int] = {}
+    for _, _, payload in LogReader(run_dir, lenient=lenient, fs=fs).frames():
+        try:
+            kind = probe.decode(payload).type
+        except msgspec.MsgspecError:
+            continue  # the second pass reports (or counts) this record
+        if kind == "consumption":
+            try:
+                record = decode_record(payload)
+            except Exception:  # noqa: BLE001 - the second pass reports it
+                continue
+            assert isinstance(record, ConsumptionRecord)
+            for rollout_id in record.rollout_ids:
+                consumed.setdefault(rollout_id, record.step)
+    return consumed
+
+
+def _consumed_step(rec: RolloutRecord, consumed: dict[int, int]) -> int | None:
+    return rec.consumed_step if rec.consumed_step is not None else consumed.get(rec.rollout_id)
+
+
+def _rollout_row(segment: str, offset: int, rec: RolloutRecord,
+                 consumed: dict[int, int]) -> dict[str, Any]:
+    step = _consumed_step(rec, consumed)
+    first, last = rec.version_span
+    status = rec.status
+    return {
+        "rollout_id": rec.rollout_id,
+        "group_id": rec.group_id,
+        "prompt_id": rec.prompt_id,
+        "engine_id": rec.engine_id,
+        "status": rec.status_name,
+        "drop_reason": status.reason if isinstance(status, Dropped) else None,
+        "error_kind": status.kind if isinstance(status, Errored) else None,
+        "error_message": status.message if isinstance(status, Errored) else None,
+        "dispatched_version": rec.dispatched_version,
+        "span_start": first,
+        "span_end": last,
+        "n_versions": len(rec.version_values) // 4,
+        "prompt_tokens": len(rec.prompt_token_ids) // 4,
+        "completion_tokens": rec.num_completion_tokens,
+        "kv_carried_across_versions": rec.kv_carried_across_versions,
+        "consumed_step": step,
+        "staleness": None if step is None else step - rec.dispatched_version,
+        "rewards": list(rec.rewards.items()),
+        "temperature": rec.sampling.temperature,
+        "top_p": rec.sampling.top_p,
+        "top_k": rec.sampling.top_k,
+        "min_p": rec.sampling.min_p,
+        "max_tokens": rec.sampling.max_tokens,
+        "seed": rec.sampling.seed,
+        "base_checkpoint": rec.identity.base_checkpoint,
+        "tokenizer_hash": rec.identity.tokenizer_hash,
+        "chat_template_hash": rec.identity.chat_template_hash,
+        "serving_precision": rec.identity.serving_precision,
+        "dispatched_at": rec.timings.dispatched_at,
+        "first_token_at": rec.timings.first_token_at,
+        "finished_at": rec.timings.finished_at,
+        "segment": segment,
+        "offset": offset,
+    }
+
+
+def _token_table(records: list[RolloutRecord], consumed: dict[int, int]) -> pa.Table:
+    counts = np.array([rec.num_completion_tokens for rec in records], dtype=np.int64)
+    total = int(counts.sum())
+    if total == 0:
+        return TOKEN_SCHEMA.empty_table()
+    rollout_ids = np.repeat([rec.rollout_id for rec in records], counts)
+    positions = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+    token_ids = np.frombuffer(b"".join(rec.completion_token_ids for rec in records), INT32)
+    logprobs = np.concatenate([rec.logprobs() for rec in records])
+    versions = np.concatenate([rec.expand_versions() for rec in records])
+    steps = np.repeat([_or_minus_one(_consumed_step(rec, consumed)) for rec in records], counts)
+    lag = pa.array(steps - versions, mask=steps < 0)
+    return pa.table({
+        "rollout_id": pa.array(rollout_ids, pa.int64()),
+        "position": pa.array(positions.astype(np.int32)),
+        "token_id": pa.array(token_ids),
+        "logprob": pa.array(logprobs),
+        "version": pa.array(versions),
+        "lag": lag.cast(pa.int64()),
+    }, schema=TOKEN_SCHEMA)
+
+
+def _or_minus_one(step: int | None) -> int:
+    return -1 if step is None else step

@@ -1,0 +1,160 @@
+"""Both engine implementations against a real vLLM CPU engine on the locally built tiny model."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import anyio
+import pytest
+
+from orchestrator.engines.base import SamplingSettings, collect
+from orchestrator.errors import ConfigError, EngineDeadError, EngineTimeoutError
+from tests.reference import reference_logprobs
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
+
+PROMPTS = [[5, 6, 7, 8], [40, 41, 42], [100, 200, 300, 400, 500], [17]]
+
+
+@pytest.fixture(params=["inproc", "server"])
+def engine(request):
+    return request.getfixturevalue(f"{request.param}_engine")
+
+
+async def test_sampled_logprobs_match_a_transformers_forward(engine, tiny_model_dir):
+    sampling = SamplingSettings(max_tokens=24, seed=123, ignore_eos=True)
+    results = []
+    async with anyio.create_task_group() as tg:
+        for i, prompt in enumerate(PROMPTS):
+            async def one(i=i, prompt=prompt):
+                results.append(await engine.complete(f"lp-{engine.engine_id}-{i}", prompt, sampling))
+            tg.start_soon(one)
+    assert len(results) == len(PROMPTS)
+    for c in results:
+        assert len(c.token_ids) == 24 and len(c.logprobs) == 24
+        expected = reference_logprobs(str(tiny_model_dir), c.prompt_token_ids, c.token_ids)
+        worst = max(abs(a - b) for a, b in zip(c.logprobs, expected))
+        assert worst < 1e-3, f"{c.request_id}: logprob differs by {worst}"
+
+
+async def test_every_token_carries_a_weight_version(engine):
+    await engine.set_weight_version(7)
+    try:
+        c = await engine.complete(f"ver-{engine.engine_id}", [9, 10, 11],
+                                  SamplingSettings(max_tokens=12, ignore_eos=True))
+    finally:
+        await engine.set_weight_version(0)
+    assert c.versions is not None
+    assert len(c.versions) == len(c.token_ids) == 12
+    assert set(c.versions) == {7}
+    assert [(s.version, s.start, s.end) for s in c.version_spans] == [(7, 0, 12)]
+
+
+async def test_aborting_one_of_several_requests_leaves_the_others_complete(engine):
+    n, victim = 4, f"abort-{engine.engine_id}-1"
+    # The victim asks for far more tokens than the others, so it cannot finish on its own
+    # before the abort lands, however busy the machine is.
+    victim_sampling = SamplingSettings(max_tokens=3500, ignore_eos=True)
+    sampling = SamplingSettings(max_tokens=400, ignore_eos=True)
+    results = {}
+    first_tokens = anyio.Event()
+
+    async def one(rid):
+        tokens, reason = [], None
+        async for chunk in engine.generate(rid, [3, 4, 5], victim_sampling if rid == victim else sampling):
+            tokens += chunk.token_ids
+            if rid == victim and tokens:
+                first_tokens.set()
+            if chunk.finished:
+                reason = chunk.finish_reason
+        results[rid] = (len(tokens), reason)
+
+    async with anyio.create_task_group() as tg:
+        for i in range(n):
+            tg.start_soon(one, f"abort-{engine.engine_id}-{i}")
+        await first_tokens.wait()
+        await engine.abort(victim)
+    assert results[victim][1] == "abort"
+    assert results[victim][0] < 3500
+    for rid, (count, reason) in results.items():
+        if rid != victim:
+            assert (count, reason) == (400, "length"), rid
+
+
+async def test_pause_in_keep_mode_holds_requests_and_resume_completes_them(engine):
+    sampling = SamplingSettings(max_tokens=1500, ignore_eos=True)
+    counts: dict[str, int] = {}
+    reasons: dict[str, str | None] = {}
+    started = anyio.Event()
+
+    async def one(rid):
+        counts[rid] = 0
+        async for chunk in engine.generate(rid, [21, 22, 23], sampling):
+            counts[rid] += len(chunk.token_ids)
+            if counts[rid] >= 5:
+                started.set()
+            if chunk.finished:
+                reasons[rid] = chunk.finish_reason
+
+    async with anyio.create_task_group() as tg:
+        for i in range(3):
+            tg.start_soon(one, f"pause-{engine.engine_id}-{i}")
+        await started.wait()
+        await engine.pause(mode="keep")
+        try:
+            assert await engine.is_paused()
+            await anyio.sleep(1.0)  # let chunks already produced before the pause land
+            held = dict(counts)
+            await anyio.sleep(1.5)
+            # Held, not aborted and not advancing: no request finished, no token added.
+            assert counts == held
+            assert not reasons
+        finally:
+            await engine.resume()
+        assert not await engine.is_paused()
+    assert reasons == {rid: "length" for rid in counts}
+    assert all(c == 1500 for c in counts.values())
+
+
+async def test_invalid_sampling_is_refused_naming_the_field(engine):
+    with pytest.raises(ConfigError, match="sampling.temperature"):
+        await engine.complete("bad", [1, 2], SamplingSettings(temperature=-1.0))
+    with pytest.raises(ConfigError, match="sampling.max_tokens"):
+        await engine.complete("bad", [1, 2], SamplingSettings(max_tokens=0))
+    assert await engine.healthy()
+
+
+async def test_killing_the_server_fails_in_flight_calls_with_a_named_error(tiny_model_dir, engine_log_dir):
+    from orchestrator.config import EngineConfig
+    from orchestrator.engines.server import ServerEngine
+
+    config = EngineConfig(model=str(tiny_model_dir), kind="server", chunk_timeout_s=30, control_timeout_s=10)
+    engine = ServerEngine(config, "doomed", log_dir=engine_log_dir)
+    await engine.start()
+    try:
+        assert await engine.healthy()
+        got_tokens = anyio.Event()
+        errors: list[BaseException] = []
+
+        async def stream():
+            try:
+                async for chunk in engine.generate("long", [1, 2, 3], SamplingSettings(max_tokens=3000, ignore_eos=True)):
+                    if chunk.token_ids:
+                        got_tokens.set()
+            except (EngineDeadError, EngineTimeoutError) as exc:
+                errors.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(stream)
+            await got_tokens.wait()
+            os.kill(engine.process.pid, signal.SIGKILL)
+        assert len(errors) == 1 and isinstance(errors[0], EngineDeadError), errors
+        assert not await engine.healthy()
+        with pytest.raises(EngineDeadError):
+            await engine.complete("after", [1, 2], SamplingSettings(max_tokens=2))
+    finally:
+        await engine.shutdown()
+    # The whole process group is gone: no orphaned engine core or worker.
+    with pytest.raises(ProcessLookupError):
+        os.killpg(engine.process.pid, 0)

@@ -1,0 +1,296 @@
+"""Replay records: building, invariants, refusal of bad records, and schema evolution.
+
+The golden segment in tests/fixtures/replay/ was written once from `golden_records()`; if a
+field is reordered, renamed or retyped, or the framing changes, the bytes no longer match.
+Regenerate it only for a deliberate format change (and bump FORMAT_VERSION):
+    python -c "from tests.unit.test_replay_records import write_golden; write_golden()"
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+
+from replay.errors import InvalidRecordError
+from replay.log import FsyncPolicy, ReplayLog, frame, read_records, segment_header
+from replay.records import (
+    ActivationRecord,
+    Completed,
+    ConsumptionRecord,
+    Dropped,
+    EngineActivation,
+    Errored,
+    PolicyIdentity,
+    RolloutRecord,
+    RunMetaRecord,
+    SamplingSettings,
+    Timings,
+    decode_record,
+    encode_record,
+)
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "replay"
+GOLDEN_SEGMENT = FIXTURES / "golden_v1.seg"
+IDENTITY = PolicyIdentity("Qwen/Qwen3-0.6B", "tok-1a2b", "tmpl-3c4d", "bf16")
+
+# The on-disk field order. Append new fields (with defaults) at the end; never edit a line.
+GOLDEN_FIELDS = {
+    RolloutRecord: [
+        "rollout_id", "group_id", "prompt_id", "engine_id", "prompt_token_ids",
+        "completion_token_ids", "completion_logprobs", "version_starts", "version_values",
+        "dispatched_version", "kv_carried_across_versions", "status", "rewards", "sampling",
+        "identity", "timings", "consumed_step",
+    ],
+    ActivationRecord: ["version", "outcome", "engines", "activated_at", "message"],
+    ConsumptionRecord: ["step", "rollout_ids"],
+    RunMetaRecord: ["run_id", "created_at", "identity", "config"],
+    EngineActivation: ["engine_id", "transfer_s", "pause_s", "outcome"],
+    SamplingSettings: ["temperature", "top_p", "top_k", "min_p", "max_tokens", "seed", "stop"],
+    PolicyIdentity: ["base_checkpoint", "tokenizer_hash", "chat_template_hash", "serving_precision"],
+    Timings: ["dispatched_at", "first_token_at", "finished_at"],
+    Dropped: ["reason"],
+    Errored: ["kind", "message"],
+}
+
+
+def rollout(**overrides) -> RolloutRecord:
+    arguments = dict(
+        rollout_id=17, group_id=4, prompt_id="gsm8k/12", engine_id="engine-1",
+        prompt_token_ids=[101, 102, 103], completion_token_ids=[7, 8, 9, 10, 11],
+        completion_logprobs=[-0.1, -0.2, -0.3, -0.4, -0.5], dispatched_version=17,
+        token_versions=[17, 17, 18, 19, 19], kv_carried_across_versions=True,
+        status=Completed(), rewards={"correct": 1.0, "format": 0.5},
+        sampling=SamplingSettings(temperature=0.8, top_p=0.95, max_tokens=64, seed=3, stop=("</s>",)),
+        identity=IDENTITY, timings=Timings(100.0, 100.25, 101.5), consumed_step=21,
+    )
+    arguments.update(overrides)
+    return RolloutRecord.from_lists(**arguments)
+
+
+def golden_records() -> list:
+    return [
+        RunMetaRecord(run_id="golden", created_at=99.5, identity=IDENTITY,
+                      config={"max_off_policy_steps": 4}),
+        rollout(),
+        rollout(rollout_id=18, completion_token_ids=[], completion_logprobs=[], token_versions=None,
+                status=Dropped("stale"), rewards={}, consumed_step=None),
+        rollout(rollout_id=19, token_versions=None, status=Errored("engine_died", "worker exited"),
+                kv_carried_across_versions=False),
+        ActivationRecord(version=18, outcome="activated", activated_at=100.1,
+                         engines=[EngineActivation("engine-0", 1.25, 0.004),
+                                  EngineActivation("engine-1", 1.5, 0.006)]),
+        ConsumptionRecord(step=21, rollout_ids=[17, 19]),
+    ]
+
+
+def write_golden() -> None:
+    """Regenerate the golden segment (a deliberate format change only)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as scratch:
+        with ReplayLog.open(scratch) as log:
+            for record in golden_records():
+                log.append(record)
+        FIXTURES.mkdir(parents=True, exist_ok=True)
+        shutil.copy(Path(scratch) / "replay" / "00000001.seg", GOLDEN_SEGMENT)
+
+
+# --- building and reading back ---------------------------------------------------------------
+
+
+def test_from_lists_stores_arrays_and_run_length_versions():
+    record = rollout()
+    assert record.prompt_tokens().tolist() == [101, 102, 103]
+    assert record.completion_tokens().dtype == np.int32
+    np.testing.assert_allclose(record.logprobs(), [-0.1, -0.2, -0.3, -0.4, -0.5], rtol=1e-6)
+    assert record.change_points() == [(0, 17), (2, 18), (3, 19)]
+    assert record.expand_versions().tolist() == [17, 17, 18, 19, 19]
+    assert record.version_span == (17, 19)
+    assert record.status_name == "completed"
+    assert len(record.completion_token_ids) == 5 * 4
+
+
+def test_from_lists_accepts_numpy_arrays_and_change_points():
+    record = rollout(completion_token_ids=np.arange(6, dtype=np.int64),
+                     completion_logprobs=np.full(6, -1.0), token_versions=None,
+                     version_changes=[(0, 17), (4, 20)])
+    assert record.expand_versions().tolist() == [17, 17, 17, 17, 20, 20]
+    assert record.num_completion_tokens == 6
+
+
+def test_an_empty_completion_spans_its_dispatched_version():
+    record = rollout(completion_token_ids=[], completion_logprobs=[], token_versions=None)
+    assert record.change_points() == []
+    assert record.expand_versions().tolist() == []
+    assert record.version_span == (17, 17)
+
+
+def test_every_record_type_round_trips_through_bytes():
+    for record in golden_records():
+        assert decode_record(encode_record(record)) == record
+
+
+# --- refusing bad records on write -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("make, field", [
+    (lambda: msgspec.structs.replace(rollout(), rollout_id="seventeen"), "rollout_id"),
+    (lambda: msgspec.structs.replace(rollout(), rollout_id=np.int64(17)), "rollout_id"),
+    (lambda: msgspec.structs.replace(rollout(), engine_id=1), "engine_id"),
+    (lambda: msgspec.structs.replace(rollout(), sampling=SamplingSettings(temperature="hot")),
+     "sampling.temperature"),
+    (lambda: msgspec.structs.replace(rollout(), status=Dropped(reason=3)), "status.reason"),
+    (lambda: msgspec.structs.replace(rollout(), consumed_step=2.5), "consumed_step"),
+    (lambda: msgspec.structs.replace(rollout(), rewards={"correct": "yes"}), "rewards"),
+    (lambda: ConsumptionRecord(step=3, rollout_ids=["a"]), "rollout_ids"),
+])
+def test_wrong_types_are_refused_on_write_naming_the_field(tmp_path, make, field):
+    record = make()
+    with pytest.raises(InvalidRecordError) as raised:
+        encode_record(record)
+    assert raised.value.field.startswith(field)
+    with ReplayLog.open(tmp_path) as log, pytest.raises(InvalidRecordError) as raised:
+        log.append(record)
+    assert raised.value.field.startswith(field)
+    assert f"`{raised.value.field}`" in str(raised.value)
+    assert list(read_records(tmp_path)) == []
+
+
+@pytest.mark.parametrize("overrides, field", [
+    ({"completion_logprobs": [-0.1, math.nan, -0.3, -0.4, -0.5]}, "completion_logprobs"),
+    ({"completion_logprobs": [-0.1, -0.2, math.inf, -0.4, -0.5]}, "completion_logprobs"),
+    ({"completion_logprobs": [-0.1, -0.2]}, "completion_logprobs"),
+    ({"token_versions": [17, 18, 17, 19, 19]}, "version_values"),
+    ({"token_versions": None, "version_changes": [(0, 19), (3, 18)]}, "version_values"),
+    ({"token_versions": None, "version_changes": [(0, 17), (0, 18)]}, "version_starts"),
+    ({"token_versions": None, "version_changes": [(1, 17)]}, "version_starts"),
+    ({"token_versions": None, "version_changes": [(0, 17), (5, 18)]}, "version_starts"),
+    ({"token_versions": [16, 16, 17, 17, 17]}, "version_values"),  # older than dispatched
+    ({"rewards": {"correct": math.nan}}, "rewards.correct"),
+])
+def test_broken_invariants_are_refused_when_built(overrides, field):
+    with pytest.raises(InvalidRecordError) as raised:
+        rollout(**overrides)
+    assert raised.value.field == field
+
+
+def test_blobs_given_as_lists_are_refused_with_a_hint():
+    with pytest.raises(InvalidRecordError, match="from_lists") as raised:
+        msgspec.structs.replace(rollout(), completion_token_ids=[7, 8, 9, 10, 11])
+    assert raised.value.field == "completion_token_ids"
+    with pytest.raises(InvalidRecordError, match="multiple of 4") as raised:
+        msgspec.structs.replace(rollout(), prompt_token_ids=b"\x01\x02")
+    assert raised.value.field == "prompt_token_ids"
+
+
+def test_a_nan_put_into_rewards_after_building_is_refused_on_write(tmp_path):
+    record = rollout()
+    record.rewards["format"] = math.nan  # the dict inside a frozen record is still mutable
+    with ReplayLog.open(tmp_path) as log, pytest.raises(InvalidRecordError) as raised:
+        log.append(record)
+    assert raised.value.field == "rewards.format"
+
+
+def test_negative_activation_durations_are_refused():
+    with pytest.raises(InvalidRecordError) as raised:
+        ActivationRecord(version=3, outcome="activated", engines=[EngineActivation("e0", 1.0, -0.5)])
+    assert raised.value.field == "engines[0].pause_s"
+
+
+def test_the_invariants_are_checked_again_on_read():
+    good = msgspec.to_builtins(rollout())
+    good.update(completion_logprobs=rollout().completion_logprobs[:8],
+                prompt_token_ids=rollout().prompt_token_ids,
+                completion_token_ids=rollout().completion_token_ids,
+                version_starts=rollout().version_starts, version_values=rollout().version_values)
+    with pytest.raises(InvalidRecordError) as raised:
+        decode_record(msgspec.msgpack.encode(good))
+    assert raised.value.field == "completion_logprobs"
+
+
+# --- the on-disk format is stable ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("struct_type", list(GOLDEN_FIELDS))
+def test_field_order_matches_the_golden_list(struct_type):
+    assert list(struct_type.__struct_fields__) == GOLDEN_FIELDS[struct_type]
+
+
+def test_new_fields_have_defaults_so_old_logs_still_read():
+    """Every field after the first version's fields must have a default."""
+    first_version_required = {RolloutRecord: 16, ActivationRecord: 3, ConsumptionRecord: 2,
+                              RunMetaRecord: 2}
+    for struct_type, required in first_version_required.items():
+        for info in msgspec.structs.fields(struct_type)[required:]:
+            has_default = (info.default is not msgspec.NODEFAULT
+                           or info.default_factory is not msgspec.NODEFAULT)
+            assert has_default, f"{struct_type.__name__}.{info.name} needs a default"
+
+
+def test_writing_golden_records_reproduces_the_golden_segment_bytes(tmp_path):
+    with ReplayLog.open(tmp_path, fsync=FsyncPolicy.always()) as log:
+        for record in golden_records():
+            log.append(record)
+    written = (tmp_path / "replay" / "00000001.seg").read_bytes()
+    golden = GOLDEN_SEGMENT.read_bytes()
+    assert written == golden
+
+
+def test_the_golden_segment_reads_back_as_the_golden_records(tmp_path):
+    (tmp_path / "replay").mkdir()
+    shutil.copy(GOLDEN_SEGMENT, tmp_path / "replay" / "00000001.seg")
+    assert list(read_records(tmp_path)) == golden_records()
+
+
+def _definition(struct_type: type, fields: list) -> type:
+    config = struct_type.__struct_config__
+    return msgspec.defstruct(f"{struct_type.__name__}Variant", fields, tag=config.tag,
+                             tag_field=config.tag_field, frozen=True)
+
+
+def _current_fields(struct_type: type) -> list:
+    fields = []
+    for info in msgspec.structs.fields(struct_type):
+        if info.default is not msgspec.NODEFAULT:
+            fields.append((info.name, info.type, info.default))
+        elif info.default_factory is not msgspec.NODEFAULT:
+            fields.append((info.name, info.type, msgspec.field(default_factory=info.default_factory)))
+        else:
+            fields.append((info.name, info.type))
+    return fields
+
+
+def test_a_log_written_with_the_previous_definition_reads_with_the_current_one(tmp_path):
+    previous = _definition(RolloutRecord, _current_fields(RolloutRecord)[:-1])  # no consumed_step
+    current = rollout(consumed_step=None)
+    old = previous(**{name: getattr(current, name) for name in previous.__struct_fields__})
+    (tmp_path / "replay").mkdir()
+    (tmp_path / "replay" / "00000001.seg").write_bytes(
+        segment_header(1) + frame(msgspec.msgpack.encode(old)))
+    assert list(read_records(tmp_path)) == [current]
+
+
+def test_a_log_written_with_the_current_definition_reads_with_the_previous_one(tmp_path):
+    previous = _definition(RolloutRecord, _current_fields(RolloutRecord)[:-1])
+    record = rollout()
+    decoded = msgspec.msgpack.decode(encode_record(record), type=previous)
+    assert decoded.rollout_id == record.rollout_id
+    assert decoded.completion_logprobs == record.completion_logprobs
+    assert not hasattr(decoded, "consumed_step")
+
+
+def test_a_next_definition_with_an_appended_field_interoperates_both_ways(tmp_path):
+    following = _definition(RolloutRecord, _current_fields(RolloutRecord) + [("engine_step", int, -1)])
+    record = rollout()
+    newer = msgspec.msgpack.decode(encode_record(record), type=following)
+    assert newer.engine_step == -1  # the default fills in what the current writer did not write
+    newer = msgspec.structs.replace(newer, engine_step=5)
+    (tmp_path / "replay").mkdir()
+    (tmp_path / "replay" / "00000001.seg").write_bytes(
+        segment_header(1) + frame(msgspec.msgpack.encode(newer)))
+    assert list(read_records(tmp_path)) == [record]  # the current reader skips engine_step

@@ -1,0 +1,209 @@
+"""HTTP transport: buckets streamed to a small HTTP receiver in the engine, for remote engines
+without a collective (and colocated SGLang).
+
+The receiver listens on the address given in its init info. The trainer PUTs each bucket to
+`/inflight/v1/bucket` with the msgpack header base64'd in `X-Inflight-Header` and the payload as
+the body (`Content-Length` exact). The handler reads the body straight into a free arena (two,
+reused) and answers once it is queued; the engine's `receive()` replays it while the next
+bucket streams in. A body shorter than announced is staged as-is and reported as a truncated
+bucket naming the first tensor cut off.
+"""
+
+from __future__ import annotations
+
+import base64
+import queue
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import httpx
+import structlog
+import torch
+
+from transports.base import BucketHeader, TransportError, TransportTimeoutError, decode_header, encode_header
+from transports.staging import ReplayPipeline, StagingArea
+
+log = structlog.get_logger("transports.http")
+
+BUCKET_PATH = "/inflight/v1/bucket"
+HEADER = "X-Inflight-Header"
+
+
+class HttpSender:
+    def __init__(self, *, endpoints: list[tuple[str, int]], timeout_s: float = 60.0, chunk_bytes: int = 4 << 20):
+        self.endpoints = endpoints
+        self.timeout_s = timeout_s
+        self.chunk_bytes = chunk_bytes
+        self._client = httpx.Client(timeout=httpx.Timeout(timeout_s), http1=True)
+
+    def engine_init_info(self, engine_index: int) -> dict[str, Any]:
+        host, port = self.endpoints[engine_index]
+        return {"host": host, "port": port, "timeout_s": self.timeout_s}
+
+    def connect(self) -> None:
+        """Waits (bounded) until every engine's receiver answers: engines start theirs while
+        this runs."""
+        deadline = time.monotonic() + self.timeout_s
+        for host, port in self.endpoints:
+            while True:
+                try:
+                    self._request(host, port, "GET", "/inflight/v1/health", None, {})
+                    break
+                except TransportError:
+                    if time.monotonic() > deadline:
+                        raise TransportTimeoutError(f"engine receiver at {host}:{port} to listen", self.timeout_s)
+                    time.sleep(0.05)
+
+    def begin(self, version: int, bucket_count: int) -> None:
+        pass
+
+    def _chunks(self, payload: memoryview):
+        for start in range(0, len(payload), self.chunk_bytes):
+            yield payload[start:start + self.chunk_bytes]
+
+    def send(self, header: BucketHeader, payload: memoryview) -> None:
+        meta = base64.b64encode(encode_header(header)).decode()
+        for host, port in self.endpoints:
+            headers = {HEADER: meta, "Content-Length": str(len(payload)), "Content-Type": "application/octet-stream"}
+            self._request(host, port, "PUT", BUCKET_PATH, self._chunks(payload), headers)
+
+    def _request(self, host: str, port: int, method: str, path: str, content, headers: dict[str, str]) -> None:
+        url = f"http://{host}:{port}{path}"
+        try:
+            response = self._client.request(method, url, content=content, headers=headers)
+        except httpx.TimeoutException as exc:
+            raise TransportTimeoutError(f"{method} {url}", self.timeout_s) from exc
+        except httpx.HTTPError as exc:
+            raise TransportError(f"{method} {url}: {exc}") from exc
+        if response.status_code != 200:
+            raise TransportError(f"{method} {url}: {response.status_code} {response.text}")
+
+    def commit(self, version: int) -> None:
+        pass
+
+    def close(self) -> None:
+        self._client.close()
+
+
+class HttpReceiver:
+    def __init__(self, *, host: str, port: int, arena_bytes: int, timeout_s: float = 60.0):
+        self.timeout_s = timeout_s
+        self._arenas = [torch.empty(max(arena_bytes, 1), dtype=torch.uint8) for _ in range(2)]
+        self._free = [threading.Semaphore(1), threading.Semaphore(1)]
+        self._next_slot = 0
+        self._slot_lock = threading.Lock()
+        self._arrived: queue.Queue = queue.Queue()
+        self._server = ThreadingHTTPServer((host, port), self._handler())
+        self._server.daemon_threads = True
+        self.port = self._server.server_address[1]
+        self._thread = threading.Thread(target=self._server.serve_forever, name="inflight-http", daemon=True)
+        self._thread.start()
+        log.info("http.listening", host=host, port=self.port)
+
+    def _handler(self):
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args) -> None:  # quiet: structlog is the log
+                pass
+
+            def _reply(self, code: int, text: str) -> None:
+                body = text.encode()
+                self.send_response(code)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self) -> None:
+                self._reply(200, "ok")
+
+            def do_PUT(self) -> None:
+                if self.path != BUCKET_PATH:
+                    return self._reply(404, "unknown path")
+                try:
+                    header = decode_header(base64.b64decode(self.headers[HEADER]))
+                    length = int(self.headers["Content-Length"])
+                except Exception as exc:  # a malformed request, not a transfer
+                    return self._reply(400, f"bad bucket request: {exc}")
+                slot = receiver._claim_slot()
+                if slot is None:
+                    return self._reply(503, "no free arena: the engine is not receiving")
+                arena = memoryview(receiver._arenas[slot].numpy())
+                if length > len(arena):
+                    receiver._free[slot].release()
+                    return self._reply(413, f"{length} bytes exceed the arena ({len(arena)})")
+                got = 0
+                self.connection.settimeout(receiver.timeout_s)
+                try:
+                    while got < length:
+                        n = self.rfile.readinto(arena[got:length])
+                        if not n:
+                            break
+                        got += n
+                except OSError:
+                    pass  # a stalled or vanished sender: stage what arrived, staging names the cut
+                receiver._arrived.put((slot, header, arena[:got]))
+                self._reply(200, "queued")
+
+        return Handler
+
+    def _claim_slot(self) -> int | None:
+        with self._slot_lock:
+            slot = self._next_slot
+            self._next_slot = 1 - slot
+        if not self._free[slot].acquire(timeout=self.timeout_s):
+            return None
+        return slot
+
+    def receive(self, version: int, staging: StagingArea) -> None:
+        """A rejected bucket does not end the loop: the rest of the version is still taken in
+        (and dropped) so the trainer's requests complete, then the error is raised."""
+        pipe = ReplayPipeline(staging, arenas=1, timeout_s=self.timeout_s)
+        error: TransportError | None = None
+        try:
+            k, count = 0, None
+            while count is None or k < count:
+                try:
+                    slot, header, payload = self._arrived.get(timeout=self.timeout_s)
+                except queue.Empty as exc:
+                    raise TransportTimeoutError(f"waiting for bucket {k} of version {version}", self.timeout_s) from exc
+                if not staging.is_current(header):
+                    self._free[slot].release()  # left over from an abandoned attempt
+                    continue
+                count = header.count
+                if error is None:
+                    try:
+                        pipe.acquire(0)  # replay one bucket at a time, in arrival order
+                    except TransportError as exc:
+                        error = exc
+                if error is None:
+                    pipe.submit(0, header, payload, after=self._free[slot].release)
+                else:
+                    self._free[slot].release()
+                k += 1
+            if error is None:
+                pipe.drain()
+        except TransportError as exc:
+            error = error or exc
+        finally:
+            pipe.close()
+        if error is not None:
+            self._drop_queued()
+            raise error
+
+    def _drop_queued(self) -> None:
+        """After a failed version, free arenas still holding its buckets."""
+        while True:
+            try:
+                slot, _, _ = self._arrived.get_nowait()
+            except queue.Empty:
+                return
+            self._free[slot].release()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()

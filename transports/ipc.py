@@ -1,0 +1,214 @@
+"""IPC transport for colocated engines: two shared-memory arenas, reused across versions.
+
+The trainer packs bucket k straight into arena k % 2 (no extra copy) and announces it over
+ZMQ; each engine replays it out of shared memory and acknowledges. While an engine applies
+bucket k the trainer's packing thread is already writing bucket k+1 into the other arena; an
+arena is handed back to the packer only after every engine acknowledged it (with a timeout).
+
+On a GPU the same flow carries CUDA IPC handles of device arenas instead of shared-memory
+names (`torch.multiprocessing.reductions.reduce_tensor`); see `test_gpu_*` tests.
+
+Messages (ZMQ ROUTER on the trainer, one DEALER per engine), all multipart:
+    engine  -> trainer   [b"hello"]                       once, after connecting
+    trainer -> engine    [b"bucket", slot, header, length, cuda_handle]   bucket in arena `slot`
+    engine  -> trainer   [b"ack", index] | [b"error", index, message]
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import pickle
+import tempfile
+import uuid
+from multiprocessing import shared_memory
+from typing import Any
+
+import structlog
+import torch
+import zmq
+
+from transports.base import BucketHeader, TransportError, TransportTimeoutError, decode_header, encode_header
+from transports.staging import StagingArea
+
+log = structlog.get_logger("transports.ipc")
+
+
+def _attach(name: str) -> mmap.mmap:
+    """Maps the trainer's segment without `SharedMemory`, whose resource tracker (shared with a
+    spawning parent) would otherwise unlink or un-register a segment this process does not own."""
+    fd = os.open(f"/dev/shm/{name.lstrip('/')}", os.O_RDWR)
+    try:
+        return mmap.mmap(fd, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+
+
+class IpcSender:
+    def __init__(self, *, arena_bytes: int, engines: int = 1, timeout_s: float = 60.0, device: str = "cpu",
+                 endpoint: str | None = None):
+        self.engines = engines
+        self.timeout_s = timeout_s
+        self.device = torch.device(device)
+        self.endpoint = endpoint or f"ipc://{tempfile.gettempdir()}/inflight-ipc-{uuid.uuid4().hex[:12]}"
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(self.endpoint)
+        self._peers: list[bytes] = []
+        self._shm: list[shared_memory.SharedMemory] = []
+        size = max(arena_bytes, 1)
+        if self.device.type == "cuda":
+            self._arenas = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(2)]
+        else:
+            # Named segments created once and reused for every version: no per-version mmap churn.
+            self._shm = [shared_memory.SharedMemory(create=True, size=size) for _ in range(2)]
+            self._arenas = [torch.frombuffer(s.buf, dtype=torch.uint8, count=size) for s in self._shm]
+        self._outstanding: list[int | None] = [None, None]  # bucket index held by each arena
+
+    def arenas(self) -> list[torch.Tensor]:
+        """The refit plan packs into these directly."""
+        return self._arenas
+
+    def engine_init_info(self, engine_index: int) -> dict[str, Any]:
+        info: dict[str, Any] = {"endpoint": self.endpoint, "timeout_s": self.timeout_s, "device": self.device.type}
+        if self._shm:
+            info["segments"] = [s.name for s in self._shm]
+        return info
+
+    def connect(self) -> None:
+        while len(self._peers) < self.engines:
+            frames = self._recv("an engine to connect")
+            if frames[1] == b"hello" and frames[0] not in self._peers:
+                self._peers.append(frames[0])
+        log.info("ipc.connected", engines=len(self._peers), endpoint=self.endpoint)
+
+    def _recv(self, what: str) -> list[bytes]:
+        if not self._sock.poll(int(self.timeout_s * 1000)):
+            raise TransportTimeoutError(f"waiting for {what}", self.timeout_s)
+        return self._sock.recv_multipart()
+
+    def begin(self, version: int, bucket_count: int) -> None:
+        if len(self._peers) < self.engines:
+            raise TransportError("init_communicator() was not called: engines are not connected")
+        self._outstanding = [None, None]
+
+    def _slot_of(self, payload: memoryview) -> int:
+        for slot, arena in enumerate(self._arenas):
+            if arena.device.type == "cpu" and payload.obj is not None:
+                base = memoryview(arena.numpy())
+                if payload.obj is base.obj or _same_buffer(payload, arena):
+                    return slot
+        return -1
+
+    def send(self, header: BucketHeader, payload: memoryview) -> None:
+        slot = header.index % 2
+        if self._slot_of(payload) != slot:
+            # Not packed in place (e.g. a caller with its own buffers): copy into the arena.
+            self._wait_free(slot)
+            self._arenas[slot][:len(payload)].copy_(torch.frombuffer(payload, dtype=torch.uint8))
+        message = encode_header(header)
+        for peer in self._peers:
+            self._sock.send_multipart([peer, b"bucket", bytes([slot]), message, str(len(payload)).encode(),
+                                       self._handle(slot)])
+        self._outstanding[slot] = header.index
+        # The packer refills this arena as soon as the next bucket is asked for, so it must be
+        # free when send() returns; meanwhile the packer is already filling the other arena.
+        self._wait_free(slot)
+
+    def _handle(self, slot: int) -> bytes:
+        if self.device.type != "cuda":
+            return b""
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        return pickle.dumps(reduce_tensor(self._arenas[slot]))
+
+    def _wait_free(self, slot: int) -> None:
+        index = self._outstanding[slot]
+        if index is None:
+            return
+        acked: set[bytes] = set()
+        while len(acked) < len(self._peers):
+            frames = self._recv(f"engines to apply bucket {index}")
+            peer, kind = frames[0], frames[1]
+            if kind == b"error":
+                raise TransportError(f"engine failed on bucket {int(frames[2])}: {frames[3].decode()}")
+            if kind == b"ack" and int(frames[2]) == index:
+                acked.add(peer)
+        self._outstanding[slot] = None
+
+    def commit(self, version: int) -> None:
+        self._wait_free(0)
+        self._wait_free(1)
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+        self._arenas = []
+        for shm in self._shm:
+            try:
+                shm.close()
+                shm.unlink()
+            except (FileNotFoundError, BufferError):
+                pass
+        self._shm = []
+
+
+def _same_buffer(payload: memoryview, arena: torch.Tensor) -> bool:
+    import numpy as np
+
+    try:
+        return np.frombuffer(payload, dtype=np.uint8).__array_interface__["data"][0] == arena.data_ptr()
+    except (ValueError, TypeError):
+        return False
+
+
+class IpcReceiver:
+    def __init__(self, *, endpoint: str, segments: list[str] | None = None, timeout_s: float = 60.0,
+                 device: str = "cpu"):
+        self.timeout_s = timeout_s
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.IDENTITY, f"engine-{os.getpid()}-{uuid.uuid4().hex[:6]}".encode())
+        self._sock.connect(endpoint)
+        self._sock.send_multipart([b"hello"])
+        self._shm = [_attach(n) for n in (segments or [])]
+        self._views = [memoryview(s) for s in self._shm]
+
+    def receive(self, version: int, staging: StagingArea) -> None:
+        k, count = 0, None
+        while count is None or k < count:
+            if not self._sock.poll(int(self.timeout_s * 1000)):
+                raise TransportTimeoutError(f"waiting for bucket {k} of version {version}", self.timeout_s)
+            _, slot_raw, raw, length, handle = self._sock.recv_multipart()
+            header = decode_header(raw)
+            if not staging.is_current(header):  # left over from an abandoned attempt
+                self._sock.send_multipart([b"ack", str(header.index).encode()])
+                continue
+            count = header.count
+            try:
+                staging.accept(header, self._payload(slot_raw[0], int(length), handle))
+            except Exception as exc:
+                self._sock.send_multipart([b"error", str(header.index).encode(), str(exc).encode()])
+                raise
+            self._sock.send_multipart([b"ack", str(header.index).encode()])
+            k += 1
+
+    def _payload(self, slot: int, length: int, handle: bytes) -> memoryview:
+        if handle:
+            func, args = pickle.loads(handle)
+            device_arena = func(*args)
+            return memoryview(device_arena[:length].cpu().numpy())
+        return self._views[slot][:length]
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+        for view in self._views:
+            view.release()
+        self._views = []
+        for shm in self._shm:
+            try:
+                shm.close()
+            except BufferError:
+                pass
+        self._shm = []

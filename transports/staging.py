@@ -1,0 +1,180 @@
+"""Engine side: validate arriving buckets and replay them into a staging area.
+
+A `StagingArea` holds one version being received. Each bucket is checked completely (every
+tensor known to the refit plan, shape and wire dtype as planned, bytes present, checksum
+right) before any of it is replayed; a version is only handed out by `finish()` once every
+planned tensor arrived. Nothing here touches the weights an engine serves, so a failed
+version leaves the old one live.
+
+`ReplayPipeline` runs the replay of bucket k on a thread while the receiver reads bucket k+1
+into its other arena.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from transports.base import (
+    BucketHeader,
+    ChecksumError,
+    MissingTensorError,
+    RefitMismatchError,
+    TransportError,
+    TransportTimeoutError,
+    TruncatedBucketError,
+    checksum,
+)
+from transports.refit.plan import Cast, Fp8BlockQuant, PlanEntry, RefitPlan, fp8_block_quantize, parse_dtype
+
+
+class StagingArea:
+    """Receives one version at a time. With `destination` given, replays into those
+    (preallocated, engine-owned) tensors instead of allocating new ones."""
+
+    def __init__(self, plan: RefitPlan, destination: dict[str, torch.Tensor] | None = None):
+        self.plan = plan
+        self.destination = destination
+        self.version: int | None = None
+        self.attempt = 0
+        self._staged: dict[str, torch.Tensor] = {}
+        self._arrived: set[str] = set()
+        self._buckets: set[int] = set()
+        self._lock = threading.Lock()
+        self.kv_scales: dict[str, float] | None = None
+
+    def begin(self, version: int, attempt: int = 0) -> None:
+        self.version = version
+        self.attempt = attempt
+        self._staged = {}
+        self._arrived = set()
+        self._buckets = set()
+        self.kv_scales = None
+
+    # -- validation -------------------------------------------------------------------------
+
+    def is_current(self, header: BucketHeader) -> bool:
+        """False for a bucket left over from an abandoned attempt: receivers drop those."""
+        return header.version == self.version and header.attempt == self.attempt
+
+    def validate(self, header: BucketHeader, payload: memoryview) -> None:
+        """Raises naming the first tensor of the bucket that disagrees with the plan."""
+        if header.version != self.version:
+            raise TransportError(f"bucket {header.index} belongs to version {header.version}, "
+                                 f"expected {self.version}")
+        if header.count != self.plan.bucket_count:
+            raise TransportError(f"sender announces {header.count} buckets, the plan has {self.plan.bucket_count}")
+        for meta in header.tensors:
+            entry = self.plan.entries.get(meta.name)
+            if entry is None:
+                raise RefitMismatchError(meta.name, "not in the refit info")
+            if tuple(meta.shape) != tuple(entry.shape):
+                raise RefitMismatchError(meta.name, f"shape {tuple(meta.shape)} != expected {tuple(entry.shape)}")
+            if meta.dtype != entry.wire_dtype:
+                raise RefitMismatchError(meta.name, f"dtype {meta.dtype} != expected {entry.wire_dtype}")
+            if meta.nbytes != entry.nbytes:
+                raise RefitMismatchError(meta.name, f"{meta.nbytes} bytes != expected {entry.nbytes}")
+            if meta.offset < 0 or meta.offset + meta.nbytes > len(payload):
+                raise TruncatedBucketError(
+                    meta.name, f"bucket {header.index} holds {len(payload)} bytes, the tensor ends at "
+                    f"{meta.offset + meta.nbytes}")
+            if header.checksums:
+                got = checksum(payload[meta.offset:meta.offset + meta.nbytes])
+                if got != meta.checksum:
+                    raise ChecksumError(meta.name, f"checksum {got:#010x} != sent {meta.checksum:#010x}")
+
+    # -- replay -----------------------------------------------------------------------------
+
+    def accept(self, header: BucketHeader, payload: memoryview) -> None:
+        """Validates the whole bucket, then replays every tensor of it into staging."""
+        self.validate(header, payload)
+        if header.kv_scales is not None:
+            self.kv_scales = dict(header.kv_scales)
+        raw = torch.frombuffer(payload, dtype=torch.uint8) if len(payload) else torch.empty(0, dtype=torch.uint8)
+        for meta in header.tensors:
+            entry = self.plan.entries[meta.name]
+            wire = raw[meta.offset:meta.offset + meta.nbytes].view(parse_dtype(entry.wire_dtype)).view(entry.shape)
+            for name, tensor in self._replay(entry, wire).items():
+                self._staged[name] = tensor
+        with self._lock:
+            self._arrived.update(m.name for m in header.tensors)
+            self._buckets.add(header.index)
+
+    def _replay(self, entry: PlanEntry, wire: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The plan's allocating operations; the wire bytes are always copied out, because the
+        receiver reuses its arena for a later bucket."""
+        for op in entry.on_arrival:
+            if isinstance(op, Fp8BlockQuant):
+                quant, scale_inv = fp8_block_quantize(wire.to(torch.float32), op.block)
+                return {entry.name: quant, entry.name + op.scale_suffix: scale_inv}
+        target = parse_dtype(entry.target_dtype)
+        if self.destination is not None and entry.name in self.destination:
+            dst = self.destination[entry.name]
+            dst.copy_(wire)  # copy_ casts on the way
+            return {entry.name: dst}
+        if any(isinstance(op, Cast) for op in entry.on_arrival) or wire.dtype != target:
+            return {entry.name: wire.to(target, copy=True)}
+        return {entry.name: wire.clone()}
+
+    def finish(self) -> dict[str, torch.Tensor]:
+        """The complete staged version; raises `MissingTensorError` naming a missing tensor."""
+        for entry in self.plan.spec.entries:
+            if entry.name not in self._arrived:
+                raise MissingTensorError(entry.name, f"never arrived in version {self.version} "
+                                         f"(bucket {entry.bucket} of {self.plan.bucket_count})")
+        staged, self._staged = self._staged, {}
+        return staged
+
+
+class ReplayPipeline:
+    """Replays buckets on one worker thread, at most one bucket behind the receiver.
+
+    Usage per bucket k: `slot = pipe.acquire(k)` (waits until the replay that last used that
+    arena finished, raising its error), read bucket k into `arenas[slot]`, `pipe.submit(...)`.
+    `drain()` waits for the last replay and raises the first error.
+    """
+
+    def __init__(self, staging: StagingArea, arenas: int = 2, timeout_s: float = 60.0):
+        self.staging = staging
+        self.arenas = arenas
+        self.timeout_s = timeout_s
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="refit-replay")
+        self._slots: list[Future | None] = [None] * arenas
+
+    def acquire(self, index: int) -> int:
+        slot = index % self.arenas
+        self._wait(self._slots[slot])
+        self._slots[slot] = None
+        return slot
+
+    def submit(self, slot: int, header: BucketHeader, payload: memoryview,
+               after: Callable[[], None] | None = None) -> None:
+        def job() -> None:
+            try:
+                self.staging.accept(header, payload)
+            finally:
+                if after is not None:
+                    after()
+
+        self._slots[slot] = self._pool.submit(job)
+
+    def drain(self) -> None:
+        for slot in range(self.arenas):
+            self._wait(self._slots[slot])
+            self._slots[slot] = None
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def _wait(self, future: Future | None) -> None:
+        if future is None:
+            return
+        try:
+            future.result(timeout=self.timeout_s)
+        except TransportError:
+            raise
+        except TimeoutError as exc:
+            raise TransportTimeoutError("replaying a bucket", self.timeout_s) from exc

@@ -1,0 +1,164 @@
+"""`TransportSynchronizer`: one `WeightSynchronizer` over any sender and vLLM's control plane.
+
+Per version, for every engine: `start_weight_update()`, then `update_weights({"version": v})`
+on a thread (its receiver waits for the buckets) while this thread packs and sends them, then
+`finish_weight_update(str(v))`. If any engine fails, the others are told to discard the
+version (`update_weights({"version": v, "discard": True})`) before finishing, so no engine
+makes it live. Colocated transports run the device hand-over hooks around the refit.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import structlog
+
+from transports.base import (
+    BucketSender,
+    DeviceHandoverHooks,
+    EngineWeightControl,
+    StateDictFn,
+    TransportError,
+    TransportTimeoutError,
+    WeightSynchronizer,
+)
+from transports.refit.plan import RefitPlan
+
+log = structlog.get_logger("transports.synchronizer")
+
+
+def run_alongside(calls: Sequence[Callable[[], Any]], main: Callable[[], Any], timeout_s: float, what: str) -> None:
+    """Runs each of `calls` on its own thread while `main` runs here; waits for all of them
+    within `timeout_s` of `main` ending and raises the most telling error."""
+    errors: list[BaseException | None] = [None] * len(calls)
+
+    def wrap(i: int, call: Callable[[], Any]) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                call()
+            except BaseException as exc:  # re-raised on the caller's thread below
+                errors[i] = exc
+        return run
+
+    threads = [threading.Thread(target=wrap(i, c), name=f"inflight-{what}-{i}", daemon=True) for i, c in enumerate(calls)]
+    for t in threads:
+        t.start()
+    main_error: BaseException | None = None
+    try:
+        main()
+    except BaseException as exc:
+        main_error = exc
+    deadline = time.monotonic() + timeout_s
+    for i, t in enumerate(threads):
+        t.join(max(0.0, deadline - time.monotonic()))
+        if t.is_alive() and errors[i] is None:
+            errors[i] = TransportTimeoutError(f"{what} on engine {i}", timeout_s)
+    # An engine's own error is the root cause (a tensor it rejected); the sender's is often a
+    # consequence of it (a peer that stopped listening), so engines' errors go first.
+    for error in errors:
+        if error is not None and not isinstance(error, TransportTimeoutError):
+            raise error
+    if main_error is not None:
+        raise main_error
+    for error in errors:
+        if error is not None:
+            raise error
+
+
+class TransportSynchronizer(WeightSynchronizer):
+    def __init__(
+        self,
+        *,
+        transport_name: str,
+        plan: RefitPlan,
+        state_dict: StateDictFn,
+        sender: BucketSender,
+        engines: Sequence[EngineWeightControl],
+        timeout_s: float = 60.0,
+        checksums: bool = True,
+        hooks: DeviceHandoverHooks | None = None,
+        forwards_kv_scales: bool = False,
+        apply_on_finish: bool = True,
+    ):
+        super().__init__(plan, state_dict)
+        self.transport_name = transport_name
+        self.sender = sender
+        self.engines = list(engines)
+        self.timeout_s = timeout_s
+        self.checksums = checksums
+        self.hooks = hooks
+        self.forwards_kv_scales = forwards_kv_scales
+        self.apply_on_finish = apply_on_finish
+        self._connected = False
+        self._attempt = 0
+
+    @property
+    def colocated(self) -> bool:
+        return self.hooks is not None
+
+    def engine_init_info(self, engine_index: int) -> dict[str, Any]:
+        return {"plan": self.plan.encode().decode(), "apply_on_finish": self.apply_on_finish,
+                "transport": self.transport_name,
+                "options": {"timeout_s": self.timeout_s, **self.sender.engine_init_info(engine_index)}}
+
+    def init_communicator(self) -> None:
+        calls = [lambda e=e, i=i: e.init_weight_transfer_engine(self.engine_init_info(i))
+                 for i, e in enumerate(self.engines)]
+        run_alongside(calls, self.sender.connect, self.timeout_s, "init_weight_transfer_engine")
+        self._connected = True
+        log.info("synchronizer.ready", transport=self.transport_name, engines=len(self.engines),
+                 buckets=self.plan.bucket_count, wire_bytes=self.plan.wire_bytes)
+
+    def _transfer(self, version: int, kv_scales: dict[str, float] | None) -> None:
+        if not self._connected:
+            raise TransportError("init_communicator() was not called")
+        if self.hooks:
+            self.hooks.run("offload_optimizer")
+        started = time.perf_counter()
+        # begin() before any engine starts waiting: a retried version must not be mistaken
+        # for the failed attempt still on disk (filesystem) or in flight.
+        self.sender.begin(version, self.plan.bucket_count)
+        for engine in self.engines:
+            engine.start_weight_update()
+        self._attempt += 1
+        info = {"version": version, "attempt": self._attempt}
+        calls = [lambda e=e: e.update_weights(info) for e in self.engines]
+        try:
+            run_alongside(calls, lambda: self._send(version, kv_scales), self.timeout_s, "update_weights")
+        except BaseException:
+            self._discard(version)
+            raise
+        for engine in self.engines:
+            engine.finish_weight_update(str(version))
+        if self.hooks:
+            self.hooks.run("prepare_for_generation")
+            self.hooks.run("offload_after_refit")
+        log.info("synchronizer.synced", transport=self.transport_name, version=version,
+                 seconds=round(time.perf_counter() - started, 4))
+
+    def _send(self, version: int, kv_scales: dict[str, float] | None) -> None:
+        arenas = getattr(self.sender, "arenas", None)
+        for header, payload in self.plan.pack(self._state_dict(), version=version, kv_scales=kv_scales,
+                                              checksums=self.checksums, arenas=arenas() if arenas else None,
+                                              attempt=self._attempt):
+            self.sender.send(header, payload)
+        self.sender.commit(version)
+
+    def _discard(self, version: int) -> None:
+        """Closes every engine's update session without making the version live."""
+        for engine in self.engines:
+            try:
+                engine.update_weights({"version": version, "discard": True})
+            except Exception:
+                pass  # that engine's session already ended with its own error
+            try:
+                engine.finish_weight_update(None)
+            except Exception:
+                pass
+
+    def shutdown(self) -> None:
+        self.sender.close()
+        self._connected = False
