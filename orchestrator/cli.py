@@ -14,6 +14,7 @@ A command's handler takes the parsed arguments and returns the process exit code
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -47,6 +48,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     configure_logging(args.log_format, args.log_level)
+    # vLLM logs every request and shutdown step at INFO; keep a user's terminal readable.
+    if args.log_level.lower() != "debug":
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     try:
         return int(args.func(args) or 0)
     except InflightError as exc:

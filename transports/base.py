@@ -107,6 +107,36 @@ class ChecksumError(RefitMismatchError):
     pass
 
 
+def describe_error(exc: BaseException) -> dict[str, Any]:
+    """A JSON-able description of a transport error, for crossing a boundary that only carries
+    text (a vLLM server's dev endpoints); `rebuild_error` turns it back into the same class."""
+    out: dict[str, Any] = {"type": type(exc).__name__, "message": str(exc)}
+    if isinstance(exc, RefitMismatchError):
+        out.update(tensor=exc.tensor, reason=exc.reason)
+    elif isinstance(exc, TransportTimeoutError):
+        out.update(what=exc.what, timeout_s=exc.timeout_s)
+    return out
+
+
+def rebuild_error(info: Mapping[str, Any]) -> TransportError:
+    """The inverse of `describe_error`; an error that is not one of ours becomes a
+    `TransportError` carrying its type and message."""
+    kind = info.get("type")
+    if kind in _REFIT_ERRORS and "tensor" in info:
+        return _REFIT_ERRORS[kind](info["tensor"], info.get("reason", ""))
+    if kind == "TransportTimeoutError" and "what" in info:
+        return TransportTimeoutError(info["what"], float(info.get("timeout_s", 0.0)))
+    if kind in _PLAIN_ERRORS:
+        return _PLAIN_ERRORS[kind](info.get("message", ""))
+    return TransportError(f"{kind}: {info.get('message', '')}")
+
+
+_REFIT_ERRORS: dict[str, type[RefitMismatchError]] = {
+    cls.__name__: cls for cls in (RefitMismatchError, MissingTensorError, TruncatedBucketError, ChecksumError)}
+_PLAIN_ERRORS: dict[str, type[TransportError]] = {
+    cls.__name__: cls for cls in (TransportError, TransportUnavailableError, TransportConfigError)}
+
+
 # ---------------------------------------------------------------------------------------------
 # wire format
 

@@ -63,6 +63,7 @@ class ReceivingEndpoint:
         self.staged_version: int | None = None
         self.live_version: int | None = None
         self.apply_on_finish = True
+        self.last_error: Exception | None = None
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         plan = RefitPlan.decode(init_info["plan"])
@@ -80,13 +81,20 @@ class ReceivingEndpoint:
         if self.receiver is None or self.staging is None:
             raise TransportError("init_weight_transfer_engine was not called")
         version = int(update_info["version"])
+        self.last_error = None
         if update_info.get("discard"):
             self.staged, self.staged_version = None, None
             return
         self.staged, self.staged_version = None, None
         self.staging.begin(version, int(update_info.get("attempt", 0)))
-        self.receiver.receive(version, self.staging)
-        self.staged = self.staging.finish()
+        try:
+            self.receiver.receive(version, self.staging)
+            self.staged = self.staging.finish()
+        except Exception as exc:
+            # Kept for callers that only see text (a server's HTTP endpoints): see
+            # `InflightWorkerExtension.inflight_last_error`.
+            self.last_error = exc
+            raise
         self.staged_version = version
         log.info("endpoint.staged", transport=self.transport, version=version, tensors=len(self.staged))
 

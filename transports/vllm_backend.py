@@ -33,6 +33,7 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
+from transports.base import TransportError, TransportTimeoutError, describe_error, rebuild_error
 from transports.endpoint import ReceivingEndpoint
 
 BACKENDS = {
@@ -132,6 +133,15 @@ class InflightWorkerExtension:
         engine = getattr(self, "weight_transfer_engine", None)
         return engine.endpoint.staged_version if isinstance(engine, InflightWeightTransferEngine) else None
 
+    def inflight_last_error(self) -> dict[str, Any] | None:
+        """Why this worker's last `update_weights` failed (`describe_error`), or None. A server's
+        HTTP endpoints answer a failure with text only; `HttpEngineControl` asks here for the
+        typed error (which tensor, which check)."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        if not isinstance(engine, InflightWeightTransferEngine) or engine.endpoint.last_error is None:
+            return None
+        return describe_error(engine.endpoint.last_error)
+
 
 class LLMControl:
     """`EngineWeightControl` over an in-process `vllm.LLM`."""
@@ -153,20 +163,52 @@ class LLMControl:
 
 
 class HttpEngineControl:
-    """`EngineWeightControl` over a vLLM OpenAI server's dev endpoints (VLLM_SERVER_DEV_MODE=1)."""
+    """`EngineWeightControl` over a vLLM OpenAI server's dev endpoints (VLLM_SERVER_DEV_MODE=1).
+
+    Every call has a timeout (`timeout_s`, raised as `TransportTimeoutError`). A failed
+    `update_weights` answers 500 with the error as text; the typed error (`ChecksumError`
+    naming the tensor, ...) is then fetched from the worker (`inflight_last_error` through
+    `/collective_rpc`) and raised here, so callers see the same exception as in-process.
+    """
 
     def __init__(self, base_url: str, timeout_s: float = 120.0) -> None:
         import httpx
 
         self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
         self._client = httpx.Client(timeout=timeout_s)
 
-    def _post(self, path: str, body: dict[str, Any]) -> None:
-        response = self._client.post(f"{self.base_url}/{path}", json=body)
-        if response.status_code != 200:
-            from transports.base import TransportError
+    def _post(self, path: str, body: dict[str, Any], timeout_s: float | None = None):
+        import httpx
 
+        limit = timeout_s or self.timeout_s
+        try:
+            response = self._client.post(f"{self.base_url}/{path}", json=body, timeout=limit)
+        except httpx.TimeoutException as exc:
+            raise TransportTimeoutError(f"POST {self.base_url}/{path}", limit) from exc
+        except httpx.HTTPError as exc:
+            self._client.close()
+            self._client = httpx.Client(timeout=self.timeout_s)
+            raise TransportError(f"POST {self.base_url}/{path}: {type(exc).__name__}: {exc}") from exc
+        if response.status_code != 200:
+            # The server may drop the connection after an error answer: start afresh.
+            self._client.close()
+            self._client = httpx.Client(timeout=self.timeout_s)
             raise TransportError(f"POST /{path}: {response.status_code} {response.text[:500]}")
+        return response
+
+    def _worker_error(self) -> TransportError | None:
+        """The typed error of the worker whose last update failed, if any worker says so."""
+        try:
+            response = self._post("collective_rpc", {"method": "inflight_last_error", "timeout": 30},
+                                  timeout_s=min(self.timeout_s, 60.0))
+            results = response.json().get("results") or []
+        except (TransportError, ValueError):
+            return None
+        for result in results:
+            if isinstance(result, dict) and result.get("type"):
+                return rebuild_error(result)
+        return None
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self._post("init_weight_transfer_engine", {"init_info": init_info})
@@ -175,7 +217,15 @@ class HttpEngineControl:
         self._post("start_weight_update", {})
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        self._post("update_weights", {"update_info": update_info})
+        try:
+            self._post("update_weights", {"update_info": update_info})
+        except TransportTimeoutError:
+            raise
+        except TransportError as exc:
+            typed = None if update_info.get("discard") else self._worker_error()
+            if typed is not None:
+                raise typed from exc
+            raise
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self._post("finish_weight_update", {"weight_version": weight_version})

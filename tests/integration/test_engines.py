@@ -158,3 +158,32 @@ async def test_killing_the_server_fails_in_flight_calls_with_a_named_error(tiny_
     # The whole process group is gone: no orphaned engine core or worker.
     with pytest.raises(ProcessLookupError):
         os.killpg(engine.process.pid, 0)
+
+
+async def test_a_server_that_fails_to_start_shows_the_tail_of_its_log(tiny_model_dir, engine_log_dir):
+    from orchestrator.config import EngineConfig
+    from orchestrator.engines.server import ServerEngine
+
+    # A context longer than the model supports: vLLM refuses it at start-up and exits.
+    config = EngineConfig(model=str(tiny_model_dir), kind="server", max_model_len=1_000_000)
+    engine = ServerEngine(config, "bad-start", log_dir=engine_log_dir)
+    with pytest.raises(EngineDeadError) as info:
+        await engine.start()
+    message = str(info.value)
+    assert "exited" in message and "bad-start.log" in message
+    assert "max_model_len" in message  # the server's own words, from the tail of its log
+    assert not await engine.healthy()
+    with pytest.raises(ProcessLookupError):
+        os.killpg(engine.process.pid, 0)
+
+
+async def test_a_server_not_ready_in_time_is_a_timeout_and_leaves_no_process(tiny_model_dir, engine_log_dir):
+    from orchestrator.config import EngineConfig
+    from orchestrator.engines.server import ServerEngine
+
+    engine = ServerEngine(EngineConfig(model=str(tiny_model_dir), kind="server", start_timeout_s=2),
+                          "slow-start", log_dir=engine_log_dir)
+    with pytest.raises(EngineTimeoutError, match="not ready within 2"):
+        await engine.start()
+    with pytest.raises(ProcessLookupError):
+        os.killpg(engine.process.pid, 0)

@@ -288,3 +288,21 @@ def test_an_empty_selection_gives_empty_summaries(generated, capsys):
 def test_unknown_status_filter_is_refused():
     with pytest.raises(ValueError, match="unknown status"):
         Filters(statuses=("finished",))
+
+
+def test_stats_of_an_empty_log_and_of_activations_only(tmp_path, capsys):
+    ReplayLog.open(tmp_path).close()
+    empty = stats_json(capsys, ["stats", str(tmp_path), "--json"])
+    assert empty["rollouts"]["total"] == 0 and empty["activations"]["count"] == 0
+    assert empty["log"]["records"] == 0
+    with ReplayLog.open(tmp_path) as log:
+        log.append(ActivationRecord(version=1, outcome="rolled_back",
+                                    engines=[EngineActivation("e0", 2.0, 0.5)]))
+    only = stats_json(capsys, ["stats", str(tmp_path), "--json", "--engine", "e0"])
+    assert only["activations"] == {
+        "count": 1, "by_outcome": {"rolled_back": 1},
+        "transfer_s": {"count": 1, "mean": 2.0, "p50": 2.0, "p90": 2.0, "p99": 2.0, "max": 2.0},
+        "pause_s": {"count": 1, "mean": 0.5, "p50": 0.5, "p90": 0.5, "p99": 0.5, "max": 0.5},
+    }
+    assert run_cli(["stats", str(tmp_path)]) == 0  # the tables render with nothing to show
+    assert "Activations: 1" in capsys.readouterr().out
