@@ -51,7 +51,7 @@ from replay.errors import (
     LogNotFoundError,
     ReplayError,
 )
-from replay.records import Record, decode_record, encode_record
+from replay.records import Record, decode_record, encode_record_into
 
 log = structlog.get_logger(__name__)
 
@@ -64,6 +64,8 @@ SEGMENT_HEADER: Final = struct.Struct("<8sHHI")
 FRAME_MAGIC: Final = b"\xf1RPL"
 FRAME_HEADER: Final = struct.Struct("<4sIII")
 FRAME_PREFIX: Final = struct.Struct("<4sII")  # the part the header checksum covers
+_HEADER_CRC: Final = struct.Struct("<I")
+_BLANK_HEADER: Final = bytes(FRAME_HEADER.size)
 MAX_RECORD_BYTES: Final = 64 * 1024 * 1024
 DEFAULT_SEGMENT_BYTES: Final = 64 * 1024 * 1024
 # Frames wait in memory until a sync (or this much is pending): one write(2) per batch instead
@@ -602,23 +604,38 @@ class ReplayLog:
 
         Raises InvalidRecordError (naming the field) for a bad record; nothing is written.
         """
-        return self._append_payload(encode_record(record))
-
-    def _append_payload(self, payload: bytes) -> Ack:
-        if len(payload) > MAX_RECORD_BYTES:
-            raise InvalidRecordError("type", f"encoded record of {len(payload)} bytes exceeds "
-                                             f"{MAX_RECORD_BYTES}")
-        header = frame_header(payload)  # CRC work outside the lock
-        frame_bytes = len(header) + len(payload)
         with self._lock:
             if self._closed or self._failure is not None:
                 self._check_usable()
-            if self._size + frame_bytes > self.segment_bytes and self._size > SEGMENT_HEADER.size:
-                self._roll_over()
-            offset = self._size
+            # The frame is built in place at the end of the write buffer: a blank header, the
+            # record encoded straight after it, then the header filled in from checksums over
+            # views of the buffer. No per-record bytes objects, one copy of the blobs.
             buffer = self._buffer
-            buffer += header
-            buffer += payload
+            start = len(buffer)
+            payload_start = start + FRAME_HEADER.size
+            buffer += _BLANK_HEADER
+            try:
+                encode_record_into(record, buffer, payload_start)
+            except BaseException:
+                del buffer[start:]  # a refused record leaves nothing behind
+                raise
+            length = len(buffer) - payload_start
+            if length > MAX_RECORD_BYTES:
+                del buffer[start:]
+                raise InvalidRecordError("type", f"encoded record of {length} bytes exceeds "
+                                                 f"{MAX_RECORD_BYTES}")
+            with memoryview(buffer) as view:
+                FRAME_PREFIX.pack_into(buffer, start, FRAME_MAGIC, length,
+                                       crc32c.crc32c(view[payload_start:]))
+                _HEADER_CRC.pack_into(buffer, start + FRAME_PREFIX.size,
+                                      crc32c.crc32c(view[start:start + FRAME_PREFIX.size]))
+            frame_bytes = FRAME_HEADER.size + length
+            if self._size + frame_bytes > self.segment_bytes and self._size > SEGMENT_HEADER.size:
+                framed = bytes(buffer[start:])
+                del buffer[start:]
+                self._roll_over()  # writes and syncs what the old segment had waiting
+                buffer += framed
+            offset = self._size
             self._size = offset + frame_bytes
             if len(buffer) >= WRITE_BUFFER_BYTES:
                 self._write_buffer()

@@ -2,11 +2,22 @@
 
 Layout under `root`:
 
-    v00000012/                      a published version (atomic rename of a temporary dir)
+    v00000012/                      a published version (atomic rename of the temporary dir)
         bucket-00000.safetensors    the tensors of bucket 0, loadable by any safetensors reader
         manifest.json               names, shapes, dtypes, byte offsets and checksums (msgspec)
-        COMPLETE                    written last: a reader trusts only versions that have it
-    .tmp-v00000013-<pid>/           a version being written
+        COMPLETE                    written last, after every file is fsynced: a reader that
+                                    wants a durable version trusts only those with it
+    .tmp-v00000013/                 the version being written
+        bucket-00000.safetensors    each bucket appears (renamed from `.part`) once fully written
+
+Every bucket file is self-describing: its safetensors `__metadata__["inflight"]` holds the
+bucket header (version, attempt, index, count, checksums, kv_scales), so an engine streams a
+version while it is written: it reads bucket k (from the temporary dir, or from the published
+one if the rename already happened) as soon as it appears, while the trainer writes bucket
+k+1 and a background thread fsyncs bucket k-1. The engine only *stages* what it reads; the
+version goes live after the trainer's `commit()` (every fsync, manifest, rename, `COMPLETE`)
+returned. A bucket left over from an abandoned attempt is never read: `begin()` removes the
+version's directories before any engine starts waiting, and each file names its attempt.
 
 The last `keep_last` versions are retained (replay analysis reads them); older ones are removed.
 Always available; the default transport when a LoRA adapter is trained.
@@ -18,6 +29,7 @@ import json
 import os
 import shutil
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +44,12 @@ log = structlog.get_logger("transports.filesystem")
 
 COMPLETE = "COMPLETE"
 MANIFEST = "manifest.json"
+META_KEY = "inflight"  # the bucket header inside a file's safetensors __metadata__
 
 _ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64", "int64": "I64",
               "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
               "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2"}
+_TORCH_DTYPES = {v: k for k, v in _ST_DTYPES.items()}
 
 
 class BucketFile(msgspec.Struct, frozen=True):
@@ -53,8 +67,28 @@ class Manifest(msgspec.Struct, frozen=True):
     kv_scales: dict[str, float] | None = None
 
 
+class FileMeta(msgspec.Struct, frozen=True):
+    """The bucket header carried in each file's `__metadata__` (as a JSON string)."""
+
+    version: int
+    index: int
+    count: int
+    attempt: int
+    checksums: bool
+    crc: dict[str, int]
+    kv_scales: dict[str, float] | None = None
+
+
 def version_dir(root: Path, version: int) -> Path:
     return root / f"v{version:08d}"
+
+
+def partial_dir(root: Path, version: int) -> Path:
+    return root / f".tmp-v{version:08d}"
+
+
+def bucket_name(index: int) -> str:
+    return f"bucket-{index:05d}.safetensors"
 
 
 def published_versions(root: Path) -> list[int]:
@@ -74,22 +108,53 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _safetensors_header(metas: tuple[TensorMeta, ...]) -> tuple[bytes, list[tuple[int, int]]]:
+def _safetensors_header(metas: tuple[TensorMeta, ...], meta: FileMeta | None = None) -> tuple[bytes, list[tuple[int, int]]]:
     """The safetensors header for tensors written back to back; returns it (8-byte length
     prefix included, padded to 8 bytes) and each tensor's (start, end) in the data section."""
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    info: dict[str, str] = {"format": "pt"}
+    if meta is not None:
+        info[META_KEY] = msgspec.json.encode(meta).decode()
+    header: dict[str, Any] = {"__metadata__": info}
     spans, cursor = [], 0
-    for meta in metas:
-        spans.append((cursor, cursor + meta.nbytes))
-        header[meta.name] = {"dtype": _ST_DTYPES[meta.dtype], "shape": list(meta.shape),
-                             "data_offsets": [cursor, cursor + meta.nbytes]}
-        cursor += meta.nbytes
+    for m in metas:
+        spans.append((cursor, cursor + m.nbytes))
+        header[m.name] = {"dtype": _ST_DTYPES[m.dtype], "shape": list(m.shape),
+                          "data_offsets": [cursor, cursor + m.nbytes]}
+        cursor += m.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     return len(raw).to_bytes(8, "little") + raw, spans
 
 
+def parse_bucket_file(data: memoryview) -> tuple[FileMeta, tuple[TensorMeta, ...]]:
+    """The bucket header of a file written by `FilesystemSender` (offsets from the file start).
+    A file cut inside its header raises `TransportError`; one cut in its data parses, and
+    staging names the first tensor cut off."""
+    if len(data) < 8:
+        raise TransportError(f"bucket file of {len(data)} bytes has no safetensors header")
+    size = int.from_bytes(data[:8], "little")
+    if 8 + size > len(data):
+        raise TransportError(f"bucket file of {len(data)} bytes is cut inside its {size}-byte header")
+    try:
+        header = json.loads(bytes(data[8:8 + size]))
+        meta = msgspec.json.decode(header["__metadata__"][META_KEY], type=FileMeta)
+    except (ValueError, KeyError, TypeError, msgspec.DecodeError) as exc:
+        raise TransportError(f"bucket file without an inflight header: {exc}") from exc
+    base = 8 + size
+    tensors = []
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        start, end = entry["data_offsets"]
+        tensors.append(TensorMeta(name, tuple(entry["shape"]), _TORCH_DTYPES.get(entry["dtype"], entry["dtype"]),
+                                  base + start, end - start, meta.crc.get(name, 0)))
+    return meta, tuple(tensors)
+
+
 class FilesystemSender:
+    """Writes each bucket as it is packed; a background thread fsyncs bucket k while bucket k+1
+    is written. `commit()` waits for every fsync, then publishes the version atomically."""
+
     def __init__(self, root: str | os.PathLike, *, keep_last: int = 3, fsync: bool = True):
         self.root = Path(root)
         self.keep_last = max(1, keep_last)
@@ -98,6 +163,8 @@ class FilesystemSender:
         self._files: list[BucketFile] = []
         self._kv_scales: dict[str, float] | None = None
         self._checksums = True
+        self._syncer: ThreadPoolExecutor | None = None
+        self._syncing: list[Future] = []
 
     def engine_init_info(self, engine_index: int) -> dict[str, Any]:
         return {"root": str(self.root)}
@@ -107,9 +174,11 @@ class FilesystemSender:
 
     def begin(self, version: int, bucket_count: int) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
+        self._wait_synced()
         # A retried version replaces the failed attempt; readers must not see the old one.
+        # This runs before any engine starts waiting for the version.
         shutil.rmtree(version_dir(self.root, version), ignore_errors=True)
-        self._tmp = self.root / f".tmp-v{version:08d}-{os.getpid()}"
+        self._tmp = partial_dir(self.root, version)
         shutil.rmtree(self._tmp, ignore_errors=True)
         self._tmp.mkdir()
         self._files = []
@@ -117,14 +186,23 @@ class FilesystemSender:
 
     def send(self, header: BucketHeader, payload: memoryview) -> None:
         assert self._tmp is not None, "begin() first"
-        prefix, spans = _safetensors_header(header.tensors)
-        name = f"bucket-{header.index:05d}.safetensors"
+        meta = FileMeta(header.version, header.index, header.count, header.attempt, header.checksums,
+                        {m.name: m.checksum for m in header.tensors}, header.kv_scales)
+        prefix, spans = _safetensors_header(header.tensors, meta)
+        name = bucket_name(header.index)
+        part = self._tmp / (name + ".part")
         chunks = [prefix] + [payload[m.offset:m.offset + m.nbytes] for m in header.tensors]
-        with open(self._tmp / name, "wb", buffering=0) as f:
-            for chunk in chunks:
-                f.write(chunk)
-            if self.fsync:
-                os.fsync(f.fileno())
+        fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            _write_all(fd, chunks)
+            os.rename(part, self._tmp / name)  # the engine may read it from now on
+        except BaseException:
+            os.close(fd)
+            raise
+        if self.fsync:
+            self._background(_fsync_close, fd)
+        else:
+            os.close(fd)
         base = len(prefix)
         metas = tuple(msgspec.structs.replace(m, offset=base + s) for m, (s, _) in zip(header.tensors, spans))
         self._files.append(BucketFile(name, base + (spans[-1][1] if spans else 0), metas))
@@ -132,8 +210,26 @@ class FilesystemSender:
         if header.kv_scales is not None:
             self._kv_scales = dict(header.kv_scales)
 
+    def _background(self, fn, *args) -> None:
+        """Runs `fn` on the sender's one background thread (fsyncs, pruning), in order."""
+        if self._syncer is None:
+            self._syncer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inflight-fsync")
+        self._syncing.append(self._syncer.submit(fn, *args))
+
+    def _wait_synced(self) -> None:
+        syncing, self._syncing = self._syncing, []
+        errors = []
+        for future in syncing:
+            try:
+                future.result()
+            except OSError as exc:
+                errors.append(exc)
+        if errors:
+            raise TransportError(f"fsync of a bucket file failed: {errors[0]}")
+
     def commit(self, version: int) -> None:
         assert self._tmp is not None, "begin() first"
+        self._wait_synced()
         manifest = Manifest(version, len(self._files), tuple(self._files), self._checksums, time.time(), self._kv_scales)
         with open(self._tmp / MANIFEST, "wb") as f:
             f.write(msgspec.json.encode(manifest))
@@ -149,7 +245,8 @@ class FilesystemSender:
             _fsync_dir(final)
             _fsync_dir(self.root)
         self._tmp = None
-        self._prune(version)
+        # Removing old versions (unlinking large files) is off the version's critical path.
+        self._background(self._prune, version)
         log.info("filesystem.published", version=version, buckets=len(self._files), path=str(final))
 
     def _prune(self, newest: int) -> None:
@@ -158,67 +255,109 @@ class FilesystemSender:
             shutil.rmtree(version_dir(self.root, old), ignore_errors=True)
 
     def close(self) -> None:
+        try:
+            self._wait_synced()
+        except TransportError:
+            pass
+        if self._syncer is not None:
+            self._syncer.shutdown(wait=True)
+            self._syncer = None
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
 
 
+def _write_all(fd: int, chunks: list) -> None:
+    for chunk in chunks:
+        view = memoryview(chunk).cast("B")
+        while len(view):
+            n = os.write(fd, view)
+            view = view[n:]
+
+
+def _fsync_close(fd: int) -> None:
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 class FilesystemReceiver:
-    """Waits for a version's completion marker, then reads bucket k+1 while bucket k replays."""
+    """Reads bucket k as soon as it appears (bounded wait) while bucket k-1 replays."""
 
     def __init__(self, root: str | os.PathLike, *, arena_bytes: int, timeout_s: float = 60.0,
-                 poll_s: float = 0.01):
+                 poll_s: float = 0.002):
         self.root = Path(root)
         self.timeout_s = timeout_s
         self.poll_s = poll_s
-        self._arenas = [torch.empty(max(arena_bytes, 1) + 4096, dtype=torch.uint8) for _ in range(2)]
+        # Room for the bucket's payload plus its safetensors header.
+        self._arenas = [torch.empty(max(arena_bytes, 1) + (256 << 10), dtype=torch.uint8) for _ in range(2)]
 
-    def _wait_published(self, version: int) -> Path:
-        path = version_dir(self.root, version)
+    def _open_bucket(self, version: int, index: int) -> tuple[int, str]:
+        """Waits (bounded: `timeout_s` without the file appearing) for bucket `index` of this
+        attempt at `version`, in the directory being written or the published one."""
+        name = bucket_name(index)
+        candidates = (partial_dir(self.root, version) / name, version_dir(self.root, version) / name)
         deadline = time.monotonic() + self.timeout_s
         delay = self.poll_s
-        while not (path / COMPLETE).exists():
+        while True:
+            for path in candidates:
+                try:
+                    return os.open(path, os.O_RDONLY), name
+                except FileNotFoundError:
+                    continue
             if time.monotonic() > deadline:
-                raise TransportTimeoutError(f"waiting for version {version} under {self.root}", self.timeout_s)
+                raise TransportTimeoutError(f"waiting for bucket {index} of version {version} under {self.root}",
+                                            self.timeout_s)
             time.sleep(delay)
-            delay = min(delay * 2, 0.2)
-        return path
+            delay = min(delay * 2, 0.01)
 
     def receive(self, version: int, staging: StagingArea) -> None:
-        path = self._wait_published(version)
-        try:
-            manifest = msgspec.json.decode((path / MANIFEST).read_bytes(), type=Manifest)
-        except (OSError, msgspec.DecodeError) as exc:
-            raise TransportError(f"version {version}: unreadable manifest: {exc}") from exc
         pipe = ReplayPipeline(staging, arenas=2, timeout_s=self.timeout_s)
         try:
-            for k, bucket in enumerate(manifest.buckets):
+            k, count = 0, None
+            while count is None or k < count:
                 slot = pipe.acquire(k)
-                payload = self._read(path / bucket.file, self._arenas[slot], bucket)
-                header = BucketHeader(manifest.version, k, manifest.bucket_count, len(payload), bucket.tensors,
-                                      manifest.checksums, manifest.kv_scales if k == 0 else None)
+                header, payload = self._read(version, k, staging.attempt, slot)
+                count = header.count
                 pipe.submit(slot, header, payload)
+                k += 1
             pipe.drain()
         finally:
             pipe.close()
 
-    def _read(self, file: Path, arena: torch.Tensor, bucket: BucketFile) -> memoryview:
-        """Reads the file into the arena. A short file yields a short payload, which staging
-        reports as a truncated bucket naming the first tensor cut off."""
-        view = memoryview(arena.numpy())
-        if bucket.nbytes > len(view):
-            raise TransportError(f"{file.name}: {bucket.nbytes} bytes exceed the arena ({len(view)})")
-        try:
-            with open(file, "rb", buffering=0) as f:
+    def _read(self, version: int, index: int, attempt: int, slot: int) -> tuple[BucketHeader, memoryview]:
+        """Reads bucket `index` into arena `slot` (free: its last replay finished). A short file
+        yields a short payload, which staging reports as a truncated bucket naming the first
+        tensor cut off."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            fd, name = self._open_bucket(version, index)
+            try:
+                size = os.fstat(fd).st_size
+                if size > self._arenas[slot].numel():  # an unusually large header
+                    self._arenas[slot] = torch.empty(size, dtype=torch.uint8)
+                view = memoryview(self._arenas[slot].numpy())
                 got = 0
-                while got < bucket.nbytes:
-                    n = f.readinto(view[got:bucket.nbytes])
+                while got < size:
+                    n = os.readv(fd, [view[got:size]])
                     if not n:
                         break
                     got += n
-        except FileNotFoundError as exc:
-            first = bucket.tensors[0].name if bucket.tensors else file.name
-            raise MissingTensorError(first, f"bucket file {file.name} is missing") from exc
-        return view[:got]
+            finally:
+                os.close(fd)
+            meta, tensors = parse_bucket_file(view[:got])
+            if meta.version == version and meta.attempt == attempt:
+                break
+            # A file of another attempt (the trainer is replacing it): wait for ours.
+            if time.monotonic() > deadline:
+                raise TransportTimeoutError(f"waiting for bucket {index} of version {version}, attempt {attempt}",
+                                            self.timeout_s)
+            time.sleep(self.poll_s)
+        if meta.index != index:
+            first = tensors[0].name if tensors else name
+            raise MissingTensorError(first, f"{name} holds bucket {meta.index}, expected {index}")
+        return BucketHeader(meta.version, meta.index, meta.count, got, tensors, meta.checksums, meta.kv_scales,
+                            meta.attempt), view[:got]
 
     def close(self) -> None:
         pass

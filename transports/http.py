@@ -7,18 +7,22 @@ the body (`Content-Length` exact). The handler reads the body straight into a fr
 reused) and answers once it is queued; the engine's `receive()` replays it while the next
 bucket streams in. A body shorter than announced is staged as-is and reported as a truncated
 bucket naming the first tensor cut off.
+
+The sender speaks HTTP/1.1 itself over one kept-alive socket per engine: the request head, then
+`sendall` straight from the packed arena (no copy into an HTTP library's buffers), then the
+short answer. Every socket operation has the sender's timeout.
 """
 
 from __future__ import annotations
 
 import base64
 import queue
+import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-import httpx
 import structlog
 import torch
 
@@ -28,15 +32,71 @@ from transports.staging import ReplayPipeline, StagingArea
 log = structlog.get_logger("transports.http")
 
 BUCKET_PATH = "/inflight/v1/bucket"
+HEALTH_PATH = "/inflight/v1/health"
 HEADER = "X-Inflight-Header"
+SOCKET_BUFFER = 8 << 20  # asked for; the kernel caps it (net.core.[rw]mem_max)
+_MAX_HEAD = 64 << 10
+
+
+class _Connection:
+    """One HTTP/1.1 keep-alive connection; every wait bounded by `timeout_s`."""
+
+    def __init__(self, host: str, port: int, timeout_s: float):
+        self.host, self.port, self.timeout_s = host, port, timeout_s
+        self.sock = socket.create_connection((host, port), timeout=timeout_s)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
+        self._buffer = bytearray()
+
+    def request(self, method: str, path: str, headers: dict[str, str], body: memoryview | None) -> tuple[int, bytes]:
+        length = len(body) if body is not None else 0
+        head = [f"{method} {path} HTTP/1.1", f"Host: {self.host}:{self.port}", f"Content-Length: {length}"]
+        head += [f"{k}: {v}" for k, v in headers.items()]
+        self.sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode("latin-1"))
+        if length:
+            self.sock.sendall(body)
+        return self._response()
+
+    def _response(self) -> tuple[int, bytes]:
+        while (end := self._buffer.find(b"\r\n\r\n")) < 0:
+            if len(self._buffer) > _MAX_HEAD:
+                raise TransportError(f"http://{self.host}:{self.port}: answer head over {_MAX_HEAD} bytes")
+            self._fill()
+        lines = bytes(self._buffer[:end]).decode("latin-1").split("\r\n")
+        del self._buffer[:end + 4]
+        try:
+            status = int(lines[0].split()[1])
+        except (IndexError, ValueError) as exc:
+            raise TransportError(f"http://{self.host}:{self.port}: bad status line {lines[0]!r}") from exc
+        length = 0
+        for line in lines[1:]:
+            name, _, value = line.partition(":")
+            if name.strip().lower() == "content-length":
+                length = int(value.strip())
+        while len(self._buffer) < length:
+            self._fill()
+        body = bytes(self._buffer[:length])
+        del self._buffer[:length]
+        return status, body
+
+    def _fill(self) -> None:
+        data = self.sock.recv(65536)
+        if not data:
+            raise ConnectionError("the engine closed the connection")
+        self._buffer += data
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
 
 
 class HttpSender:
-    def __init__(self, *, endpoints: list[tuple[str, int]], timeout_s: float = 60.0, chunk_bytes: int = 4 << 20):
+    def __init__(self, *, endpoints: list[tuple[str, int]], timeout_s: float = 60.0):
         self.endpoints = endpoints
         self.timeout_s = timeout_s
-        self.chunk_bytes = chunk_bytes
-        self._client = httpx.Client(timeout=httpx.Timeout(timeout_s), http1=True)
+        self._connections: dict[tuple[str, int], _Connection] = {}
 
     def engine_init_info(self, engine_index: int) -> dict[str, Any]:
         host, port = self.endpoints[engine_index]
@@ -49,7 +109,7 @@ class HttpSender:
         for host, port in self.endpoints:
             while True:
                 try:
-                    self._request(host, port, "GET", "/inflight/v1/health", None, {})
+                    self._request(host, port, "GET", HEALTH_PATH, None, {})
                     break
                 except TransportError:
                     if time.monotonic() > deadline:
@@ -59,32 +119,45 @@ class HttpSender:
     def begin(self, version: int, bucket_count: int) -> None:
         pass
 
-    def _chunks(self, payload: memoryview):
-        for start in range(0, len(payload), self.chunk_bytes):
-            yield payload[start:start + self.chunk_bytes]
-
     def send(self, header: BucketHeader, payload: memoryview) -> None:
         meta = base64.b64encode(encode_header(header)).decode()
+        headers = {HEADER: meta, "Content-Type": "application/octet-stream"}
         for host, port in self.endpoints:
-            headers = {HEADER: meta, "Content-Length": str(len(payload)), "Content-Type": "application/octet-stream"}
-            self._request(host, port, "PUT", BUCKET_PATH, self._chunks(payload), headers)
+            self._request(host, port, "PUT", BUCKET_PATH, payload, headers)
 
-    def _request(self, host: str, port: int, method: str, path: str, content, headers: dict[str, str]) -> None:
+    def _request(self, host: str, port: int, method: str, path: str, body: memoryview | None,
+                 headers: dict[str, str]) -> None:
         url = f"http://{host}:{port}{path}"
+        key = (host, port)
         try:
-            response = self._client.request(method, url, content=content, headers=headers)
-        except httpx.TimeoutException as exc:
+            conn = self._connections.get(key)
+            if conn is None:
+                conn = self._connections[key] = _Connection(host, port, self.timeout_s)
+            status, text = conn.request(method, path, headers, body)
+        except TimeoutError as exc:  # socket.timeout
+            self._drop(key)
             raise TransportTimeoutError(f"{method} {url}", self.timeout_s) from exc
-        except httpx.HTTPError as exc:
-            raise TransportError(f"{method} {url}: {exc}") from exc
-        if response.status_code != 200:
-            raise TransportError(f"{method} {url}: {response.status_code} {response.text}")
+        except OSError as exc:
+            self._drop(key)
+            raise TransportError(f"{method} {url}: {type(exc).__name__}: {exc}") from exc
+        except TransportError:
+            self._drop(key)
+            raise
+        if status != 200:
+            self._drop(key)  # the engine may not have read the body: start afresh
+            raise TransportError(f"{method} {url}: {status} {text.decode(errors='replace')}")
+
+    def _drop(self, key: tuple[str, int]) -> None:
+        conn = self._connections.pop(key, None)
+        if conn is not None:
+            conn.close()
 
     def commit(self, version: int) -> None:
         pass
 
     def close(self) -> None:
-        self._client.close()
+        for key in list(self._connections):
+            self._drop(key)
 
 
 class HttpReceiver:
@@ -111,7 +184,13 @@ class HttpReceiver:
             def log_message(self, *args) -> None:  # quiet: structlog is the log
                 pass
 
+            def setup(self) -> None:
+                self.request.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
+                super().setup()
+
             def _reply(self, code: int, text: str) -> None:
+                if code != 200:
+                    self.close_connection = True  # the body may be unread: end this connection
                 body = text.encode()
                 self.send_response(code)
                 self.send_header("Content-Length", str(len(body)))

@@ -2,7 +2,8 @@
 call: the "engine" of process-to-process tests and of `inflight bench transports`.
 
 The child keeps the last applied state dict (`live()`), so a test can compare it with what the
-trainer sent; `rss()` reports its peak resident memory for the benchmark.
+trainer sent; `rss_baseline()` / `rss_start()` / `rss_stop()` measure its peak resident memory
+for the benchmark (`transports.bench.PeakRss`).
 """
 
 from __future__ import annotations
@@ -15,8 +16,6 @@ from transports.base import TransportError, TransportTimeoutError
 
 
 def _child(conn, transport: str, preallocate: dict[str, tuple[tuple[int, ...], str]] | None) -> None:
-    import resource
-
     import torch
 
     torch.set_num_threads(1)
@@ -34,7 +33,7 @@ def _child(conn, transport: str, preallocate: dict[str, tuple[tuple[int, ...], s
         live.update(staged)
 
     endpoint = ReceivingEndpoint(transport, apply, destination=destination)
-    baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    rss = None
     while True:
         try:
             method, args = conn.recv()
@@ -48,8 +47,17 @@ def _child(conn, transport: str, preallocate: dict[str, tuple[tuple[int, ...], s
                 return
             if method == "live":
                 result: Any = {k: v.clone() for k, v in live.items()} if args else sorted(live)
-            elif method == "rss":
-                result = {"baseline": baseline, "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+            elif method.startswith("rss_"):
+                from transports.bench import PeakRss
+
+                if method == "rss_baseline":
+                    rss = PeakRss()
+                    result = rss.base
+                elif method == "rss_start":
+                    rss.start()
+                    result = None
+                else:  # rss_stop: peak extra bytes so far
+                    result = rss.stop()
             elif method == "live_version":
                 result = endpoint.live_version
             elif method == "kv_scales":
@@ -114,8 +122,16 @@ class ProcessEngine:
     def bench_reference(self, name: str, **kwargs: Any) -> Any:
         return self._call("bench_reference", name, kwargs)
 
-    def rss(self) -> dict[str, int]:
-        return self._call("rss")
+    def rss_baseline(self) -> int:
+        """Takes the receiver's RSS baseline (call before the transport is initialised)."""
+        return self._call("rss_baseline")
+
+    def rss_start(self) -> None:
+        self._call("rss_start")
+
+    def rss_stop(self) -> int:
+        """Peak extra resident bytes over the baseline, across every start/stop so far."""
+        return self._call("rss_stop")
 
     def stop(self) -> None:
         if self.process.is_alive():

@@ -9,6 +9,7 @@ makes it live. Colocated transports run the device hand-over hooks around the re
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -94,6 +95,7 @@ class TransportSynchronizer(WeightSynchronizer):
         self.apply_on_finish = apply_on_finish
         self._connected = False
         self._attempt = 0
+        self._arenas = None
 
     @property
     def colocated(self) -> bool:
@@ -139,12 +141,25 @@ class TransportSynchronizer(WeightSynchronizer):
         log.info("synchronizer.synced", transport=self.transport_name, version=version,
                  seconds=round(time.perf_counter() - started, 4))
 
-    def _send(self, version: int, kv_scales: dict[str, float] | None) -> None:
+    def _pack_arenas(self):
+        """The sender's own arenas (ipc packs straight into shared memory), else two kept
+        across versions: no allocation and no page faults per version."""
         arenas = getattr(self.sender, "arenas", None)
-        for header, payload in self.plan.pack(self._state_dict(), version=version, kv_scales=kv_scales,
-                                              checksums=self.checksums, arenas=arenas() if arenas else None,
-                                              attempt=self._attempt):
-            self.sender.send(header, payload)
+        if arenas is not None:
+            return arenas()
+        if self._arenas is None:
+            import torch
+
+            self._arenas = [torch.empty(self.plan.arena_bytes, dtype=torch.uint8) for _ in range(2)]
+        return self._arenas
+
+    def _send(self, version: int, kv_scales: dict[str, float] | None) -> None:
+        buckets = self.plan.pack(self._state_dict(), version=version, kv_scales=kv_scales, checksums=self.checksums,
+                                 arenas=self._pack_arenas(), attempt=self._attempt)
+        # closing(): on a failed send the packing thread stops now, before the arenas are reused.
+        with contextlib.closing(buckets):
+            for header, payload in buckets:
+                self.sender.send(header, payload)
         self.sender.commit(version)
 
     def _discard(self, version: int) -> None:
@@ -162,3 +177,4 @@ class TransportSynchronizer(WeightSynchronizer):
     def shutdown(self) -> None:
         self.sender.close()
         self._connected = False
+        self._arenas = None

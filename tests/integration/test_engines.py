@@ -187,3 +187,19 @@ async def test_a_server_not_ready_in_time_is_a_timeout_and_leaves_no_process(tin
         await engine.start()
     with pytest.raises(ProcessLookupError):
         os.killpg(engine.process.pid, 0)
+
+
+async def test_attaching_by_url_uses_a_running_server_and_leaves_it_running(server_engine):
+    from orchestrator.config import EngineConfig
+    from orchestrator.engines.server import ServerEngine
+
+    attached = ServerEngine(EngineConfig(kind="server", url=server_engine.url), "attached")
+    await attached.start()
+    assert attached.process is None
+    sampling = SamplingSettings(max_tokens=6, seed=5, ignore_eos=True)
+    mine = await attached.complete("attach-1", [1, 2, 3], sampling)
+    theirs = await server_engine.complete("attach-2", [1, 2, 3], sampling)
+    assert mine.token_ids == theirs.token_ids and len(mine.token_ids) == 6
+    await attached.shutdown()
+    # Shutting down an attached engine closes only our client, never the server.
+    assert await server_engine.healthy()

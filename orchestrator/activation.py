@@ -1,0 +1,615 @@
+"""The activation coordinator: a pure state machine (events in, actions out, no awaits).
+
+It drives N engines from the live version to a staged one at one instant:
+
+    begin(v)            Stage(e, v) on every serving engine; they keep generating
+    all Staged          [Drain(e) first under the `drain` KV policy]
+                        Pause(e, mode, clear_cache)          (not with the pause-free flip)
+    all Paused          Swap(e, v)   staged -> live: a copy, or a pointer flip
+    Swapped(e)          FenceCache(e)   no new request reuses keys/values of older weights
+    CacheFenced(e)      SetVersion(e, v)
+    all VersionSet      the live version becomes v (only now: every engine applied it)
+                        Resume(e) for every engine that was paused    (not with pause-free)
+    all Resumed         Record(...)   and back to idle
+
+Every phase starts a timer (`StartTimer`); the performer answers with `Timeout(phase, token)`
+and the coordinator ignores timers of finished phases. Failures:
+
+* staging (`StageFailed`, `EngineDied`, or the staging timer): no engine activates;
+  `DropStaged` everywhere, the attempt is recorded as rolled back, the live version stays,
+  the next version tries again. An engine that died is also fenced.
+* pause / swap / fence / set-version / resume (`StepFailed`, `EngineDied`, the phase's
+  timer): that engine is fenced (`Fence`: no new requests, its in-flight rollouts end
+  `errored`), the others go on at v. Every engine that was sent `Pause` is sent `Resume`,
+  fenced or not, so no engine is left paused. A fenced engine serves again only after
+  `rejoin(e)`: it re-syncs to the live version (Stage, Swap, FenceCache, SetVersion, Resume)
+  and then `Unfence(e)`.
+
+`serving` (the engines that may receive new work) never contains a fenced engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+STRATEGIES: tuple[str, ...] = ("pause_swap", "double_buffer", "pause_free")
+KV_POLICIES: tuple[str, ...] = ("recompute", "keep", "drain", "abort")
+Strategy = Literal["pause_swap", "double_buffer", "pause_free"]
+KvPolicy = Literal["recompute", "keep", "drain", "abort"]
+
+# Outcomes (the same strings as replay.records.ACTIVATED, ROLLED_BACK, ENGINE_FENCED).
+ACTIVATED = "activated"
+ROLLED_BACK = "rolled_back"
+ENGINE_FENCED = "engine_fenced"
+FAILED = "failed"  # every engine failed during the swap: nobody serves v
+
+# Phases
+IDLE, STAGING, DRAINING, PAUSING, SWAPPING, RESUMING = "idle", "staging", "draining", "pausing", "swapping", "resuming"
+
+
+@dataclass(frozen=True)
+class PhaseTimeouts:
+    stage_s: float = 120.0
+    drain_s: float = 30.0
+    pause_s: float = 30.0
+    swap_s: float = 60.0  # swap + fence cache + set version, per activation
+    resume_s: float = 30.0
+    rejoin_s: float = 180.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Actions (what the performer must do)
+
+
+@dataclass(frozen=True)
+class Action:
+    engine: str | None = None
+
+
+@dataclass(frozen=True)
+class Stage(Action):
+    version: int = 0
+    rollback: bool = False  # the engine's other buffer already holds the weights (double buffering)
+
+
+@dataclass(frozen=True)
+class DropStaged(Action):
+    version: int = 0
+
+
+@dataclass(frozen=True)
+class Drain(Action):
+    """Stop admitting new requests to the engine and wait for its in-flight ones to finish."""
+
+
+@dataclass(frozen=True)
+class AbortInflight(Action):
+    """Abort the engine's in-flight requests (they are dispatched again)."""
+
+
+@dataclass(frozen=True)
+class Pause(Action):
+    mode: str = "keep"
+    clear_cache: bool = True
+
+
+@dataclass(frozen=True)
+class Swap(Action):
+    version: int = 0
+    rollback: bool = False
+    between_steps: bool = False  # the pause-free flip: no pause around it
+
+
+@dataclass(frozen=True)
+class FenceCache(Action):
+    pass
+
+
+@dataclass(frozen=True)
+class SetVersion(Action):
+    version: int = 0
+
+
+@dataclass(frozen=True)
+class Resume(Action):
+    pass
+
+
+@dataclass(frozen=True)
+class Fence(Action):
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Unfence(Action):
+    version: int = 0
+
+
+@dataclass(frozen=True)
+class StartTimer(Action):
+    phase: str = ""
+    token: int = 0
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class EngineOutcome:
+    engine: str
+    outcome: str  # ACTIVATED, ENGINE_FENCED, ROLLED_BACK
+    transfer_s: float = 0.0
+    pause_s: float = 0.0
+    swapped_requests: dict[str, int] = field(default_factory=dict)  # request id -> tokens at the swap
+
+
+@dataclass(frozen=True)
+class Record(Action):
+    version: int = 0
+    outcome: str = ACTIVATED
+    engines: tuple[EngineOutcome, ...] = ()
+    strategy: str = ""
+    kv_policy: str = ""
+    kv_carried: bool = False
+    message: str = ""
+    at: float = 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Events (what happened; `at` is the performer's monotonic clock)
+
+
+@dataclass(frozen=True)
+class Event:
+    engine: str | None = None
+    at: float = 0.0
+
+
+@dataclass(frozen=True)
+class Staged(Event):
+    version: int = 0
+
+
+@dataclass(frozen=True)
+class StageFailed(Event):
+    version: int = 0
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class Drained(Event):
+    pass
+
+
+@dataclass(frozen=True)
+class Paused(Event):
+    pass
+
+
+@dataclass(frozen=True)
+class Swapped(Event):
+    version: int = 0
+    requests: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CacheFenced(Event):
+    pass
+
+
+@dataclass(frozen=True)
+class VersionSet(Event):
+    version: int = 0
+    requests: dict[str, int] = field(default_factory=dict)  # requests first scheduled after the flip
+
+
+@dataclass(frozen=True)
+class Resumed(Event):
+    pass
+
+
+@dataclass(frozen=True)
+class StepFailed(Event):
+    step: str = ""  # "pause", "swap", "fence_cache", "set_version", "resume", "drain"
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class EngineDied(Event):
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class Timeout(Event):
+    phase: str = ""
+    token: int = 0
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _EngineRun:
+    """One engine's progress through the current activation."""
+
+    staged_at: float | None = None
+    paused: bool = False  # Pause was sent (so Resume is owed)
+    paused_at: float | None = None
+    step: str = "stage"  # stage, staged, drain, pause, swap, fence_cache, set_version, applied, resume, done
+    failed: bool = False
+    resumed: bool = False
+    resumed_at: float | None = None
+    requests: dict[str, int] = field(default_factory=dict)
+
+
+class CoordinatorError(RuntimeError):
+    """A call that the coordinator's state does not allow (a bug in the caller)."""
+
+
+class ActivationCoordinator:
+    def __init__(self, engines: Sequence[str], *, strategy: Strategy = "pause_swap",
+                 kv_policy: KvPolicy = "recompute", timeouts: PhaseTimeouts | None = None,
+                 live_version: int = 0) -> None:
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+        if kv_policy not in KV_POLICIES:
+            raise ValueError(f"kv_policy must be one of {KV_POLICIES}, got {kv_policy!r}")
+        if strategy == "pause_free" and kv_policy == "recompute":
+            raise ValueError("kv_policy 'recompute' needs a pause (it re-prefills under the new weights); "
+                             "the pause-free flip supports keep, drain and abort")
+        if len(set(engines)) != len(engines) or not engines:
+            raise ValueError("engines must be non-empty and unique")
+        self.engines = tuple(engines)
+        self.strategy = strategy
+        self.kv_policy = kv_policy
+        self.timeouts = timeouts or PhaseTimeouts()
+        self.live_version = live_version
+        self.fenced: set[str] = set()
+        self.phase = IDLE
+        self.version: int | None = None
+        self.rollback = False
+        self.runs: dict[str, _EngineRun] = {}
+        self.started_at = 0.0
+        self._applied = False
+        self.messages: list[str] = []
+        self._token = 0
+        self.history: list[Record] = []
+        # rejoining engines: engine -> step ("stage", "swap", "fence_cache", "set_version", "resume")
+        self.rejoining: dict[str, str] = {}
+        self._rejoin_tokens: dict[str, int] = {}
+        self._rejoin_counter = 0
+        self._rejoin_version: dict[str, int] = {}
+
+    # -- queries -----------------------------------------------------------------------------
+    @property
+    def idle(self) -> bool:
+        return self.phase == IDLE
+
+    @property
+    def serving(self) -> tuple[str, ...]:
+        """Engines that may receive new requests."""
+        return tuple(e for e in self.engines if e not in self.fenced)
+
+    def may_dispatch(self, engine: str) -> bool:
+        return engine in self.engines and engine not in self.fenced
+
+    @property
+    def pauses(self) -> bool:
+        return self.strategy != "pause_free"
+
+    # -- inputs ------------------------------------------------------------------------------
+    def begin(self, version: int, at: float, *, rollback: bool = False) -> list[Action]:
+        """Start activating `version`. With `rollback`, the engines' other buffer (double
+        buffering) already holds the weights to return to, and `version` names them anew."""
+        if self.phase != IDLE:
+            raise CoordinatorError(f"activation of {self.version} still in phase {self.phase}")
+        if version <= self.live_version:
+            raise CoordinatorError(f"version {version} is not newer than the live {self.live_version}")
+        if rollback and self.strategy == "pause_swap":
+            raise CoordinatorError("rollback is a flip back: it needs double buffering")
+        participants = [e for e in self.engines if e not in self.fenced and e not in self.rejoining]
+        self.version, self.rollback, self.started_at, self.messages = version, rollback, at, []
+        self._applied = False
+        if not participants:
+            return self._finish(at, FAILED, "no engine serves: all are fenced")
+        self.runs = {e: _EngineRun() for e in participants}
+        self.phase = STAGING
+        actions: list[Action] = [Stage(e, version=version, rollback=rollback) for e in participants]
+        actions.append(self._timer(STAGING, self.timeouts.stage_s))
+        return actions
+
+    def rejoin(self, engine: str, at: float) -> list[Action]:
+        """Bring a fenced engine back: re-sync it to the live version, then unfence it."""
+        if engine not in self.fenced:
+            raise CoordinatorError(f"{engine} is not fenced")
+        if engine in self.rejoining:
+            return []
+        self.rejoining[engine] = "stage"
+        self._rejoin_counter += 1
+        self._rejoin_tokens[engine] = self._rejoin_counter
+        return [Stage(engine, version=self.live_version),
+                StartTimer(engine, phase="rejoin", token=self._rejoin_counter, seconds=self.timeouts.rejoin_s)]
+
+    def handle(self, event: Event) -> list[Action]:
+        if event.engine is not None and event.engine in self.rejoining:
+            return self._handle_rejoin(event)
+        if isinstance(event, Timeout):
+            return self._on_timeout(event)
+        if self.phase == IDLE or event.engine not in self.runs:
+            if isinstance(event, EngineDied) and event.engine in self.engines and event.engine not in self.fenced:
+                self.fenced.add(event.engine)
+                return [Fence(event.engine, reason=f"died: {event.error}")]
+            return []  # late answer of a finished activation
+        run = self.runs[event.engine]
+        if run.failed:
+            if isinstance(event, (Resumed, StepFailed)) and run.paused and not run.resumed:
+                run.resumed = True  # the best-effort resume of a fenced engine answered
+                return self._check_resumed(event.at)
+            return []
+        if isinstance(event, EngineDied):
+            return self._engine_failed(event.engine, "died", event.error, event.at)
+        if self.phase == STAGING:
+            return self._on_staging(event, run)
+        if isinstance(event, StepFailed):
+            return self._engine_failed(event.engine, event.step, event.error, event.at)
+        if self.phase == DRAINING and isinstance(event, Drained) and run.step == "drain":
+            run.step = "drained"
+            return self._after_drain(event.at) if self._all("drained") else []
+        if self.phase == PAUSING and isinstance(event, Paused) and run.step == "pause":
+            run.step, run.paused_at = "paused", event.at
+            return self._after_pause(event.at) if self._all("paused") else []
+        if self.phase == SWAPPING:
+            return self._on_swapping(event, run)
+        if self.phase == RESUMING and isinstance(event, Resumed) and run.paused and not run.resumed:
+            run.resumed, run.resumed_at = True, event.at
+            return self._check_resumed(event.at)
+        return []
+
+    # -- phases ------------------------------------------------------------------------------
+    def _on_staging(self, event: Event, run: _EngineRun) -> list[Action]:
+        if isinstance(event, Staged) and event.version == self.version and run.step == "stage":
+            run.step, run.staged_at = "staged", event.at
+            if not self._all("staged"):
+                return []
+            return self._after_staging(event.at)
+        if isinstance(event, StageFailed) and event.version == self.version:
+            return self._abort_staging(event.at, f"{event.engine} failed to stage: {event.error}")
+        return []
+
+    def _after_staging(self, at: float) -> list[Action]:
+        if self.kv_policy == "drain":
+            self.phase = DRAINING
+            for run in self.runs.values():
+                run.step = "drain"
+            return [Drain(e) for e in self._live_runs()] + [self._timer(DRAINING, self.timeouts.drain_s)]
+        return self._after_drain(at)
+
+    def _after_drain(self, at: float) -> list[Action]:
+        actions: list[Action] = []
+        if self.kv_policy == "abort":
+            actions += [AbortInflight(e) for e in self._live_runs()]
+        if not self._live_runs():
+            return actions + self._start_resume(at)
+        if not self.pauses:
+            return actions + self._start_swap(at)
+        self.phase = PAUSING
+        mode = "abort" if self.kv_policy == "abort" else "keep"
+        clear = self.kv_policy != "keep"
+        for e in self._live_runs():
+            self.runs[e].step, self.runs[e].paused = "pause", True
+            actions.append(Pause(e, mode=mode, clear_cache=clear))
+        actions.append(self._timer(PAUSING, self.timeouts.pause_s))
+        return actions
+
+    def _after_pause(self, at: float) -> list[Action]:
+        return self._start_swap(at)
+
+    def _start_swap(self, at: float) -> list[Action]:
+        self.phase = SWAPPING
+        if not self._live_runs():
+            return self._check_applied(at)
+        actions: list[Action] = []
+        for e in self._live_runs():
+            self.runs[e].step = "swap"
+            actions.append(Swap(e, version=self.version, rollback=self.rollback, between_steps=not self.pauses))
+        actions.append(self._timer(SWAPPING, self.timeouts.swap_s))
+        return actions
+
+    def _on_swapping(self, event: Event, run: _EngineRun) -> list[Action]:
+        e = event.engine
+        if isinstance(event, Swapped) and run.step == "swap" and event.version == self.version:
+            run.step, run.requests = "fence_cache", dict(event.requests)
+            return [FenceCache(e)]
+        if isinstance(event, CacheFenced) and run.step == "fence_cache":
+            run.step = "set_version"
+            return [SetVersion(e, version=self.version)]
+        if isinstance(event, VersionSet) and run.step == "set_version" and event.version == self.version:
+            run.step = "applied"
+            for rid, n in event.requests.items():
+                run.requests.setdefault(rid, n)
+            return self._check_applied(event.at)
+        return []
+
+    def _check_applied(self, at: float) -> list[Action]:
+        if any(not r.failed and r.step != "applied" for r in self.runs.values()):
+            return []
+        applied = [e for e, r in self.runs.items() if not r.failed and r.step == "applied"]
+        if applied:
+            self.live_version = self.version  # every engine still in the fleet applied it
+            self._applied = True
+        return self._start_resume(at)
+
+    def _start_resume(self, at: float) -> list[Action]:
+        self.phase = RESUMING
+        owed = [e for e, r in self.runs.items() if r.paused and not r.resumed]
+        if not owed:
+            return self._conclude(at)
+        for e in owed:
+            if not self.runs[e].failed:
+                self.runs[e].step = "resume"
+        return [Resume(e) for e in owed] + [self._timer(RESUMING, self.timeouts.resume_s)]
+
+    def _check_resumed(self, at: float) -> list[Action]:
+        if self.phase != RESUMING:
+            return []
+        if any(r.paused and not r.resumed for r in self.runs.values()):
+            return []
+        return self._conclude(at)
+
+    def _conclude(self, at: float) -> list[Action]:
+        failed = [e for e, r in self.runs.items() if r.failed]
+        if not self._applied:
+            outcome = FAILED
+        elif failed:
+            outcome = ENGINE_FENCED
+        else:
+            outcome = ACTIVATED
+        return self._finish(at, outcome, "; ".join(self.messages))
+
+    def _engine_failed(self, engine: str, step: str, error: str, at: float) -> list[Action]:
+        run = self.runs[engine]
+        if self.phase == STAGING:
+            actions = self._abort_staging(at, f"{engine} {step} while staging: {error}")
+            if step == "died" and engine not in self.fenced:
+                self.fenced.add(engine)
+                actions.insert(0, Fence(engine, reason=f"died: {error}"))
+            return actions
+        return self._mark_failed(engine, step, error) + self._progress(at)
+
+    def _mark_failed(self, engine: str, step: str, error: str) -> list[Action]:
+        run = self.runs[engine]
+        run.failed = True
+        self.messages.append(f"{engine} fenced ({step}: {error})")
+        self.fenced.add(engine)
+        actions: list[Action] = [Fence(engine, reason=f"{step}: {error}")]
+        if step == "died":
+            run.resumed = True  # nothing left to resume
+        elif run.paused and not run.resumed and self.phase != RESUMING:
+            actions.append(Resume(engine))  # best effort: never leave an engine paused
+        if step == "resume":
+            run.resumed = True
+        return actions
+
+    def _progress(self, at: float) -> list[Action]:
+        """After an engine dropped out: the phase may be complete now."""
+        if self.phase == DRAINING and self._all("drained"):
+            return self._after_drain(at)
+        if self.phase == PAUSING and self._all("paused"):
+            return self._after_pause(at)
+        if self.phase == SWAPPING:
+            return self._check_applied(at)
+        if self.phase == RESUMING:
+            return self._check_resumed(at)
+        return []
+
+    def _abort_staging(self, at: float, message: str) -> list[Action]:
+        self.messages.append(message)
+        actions: list[Action] = [DropStaged(e, version=self.version) for e in self.runs]
+        return actions + self._finish(at, ROLLED_BACK, "; ".join(self.messages))
+
+    def _on_timeout(self, event: Timeout) -> list[Action]:
+        if event.token != self._token or event.phase != self.phase or self.phase == IDLE:
+            return []  # the timer of a finished phase
+        at = event.at
+        if self.phase == STAGING:
+            late = [e for e, r in self.runs.items() if r.step == "stage"]
+            return self._abort_staging(at, f"staging timed out after {self.timeouts.stage_s}s on {', '.join(late)}")
+        if self.phase == DRAINING:
+            self.messages.append("drain timed out: the rest were recomputed")
+            for r in self.runs.values():
+                if not r.failed:
+                    r.step = "drained"
+            return self._after_drain(at)
+        if self.phase == RESUMING:
+            actions: list[Action] = []
+            for e, r in self.runs.items():
+                if r.paused and not r.resumed:
+                    r.resumed = True
+                    if not r.failed:
+                        r.failed = True
+                        self.fenced.add(e)
+                        self.messages.append(f"{e} fenced (resume timed out)")
+                        actions.append(Fence(e, reason="resume timed out"))
+            return actions + self._conclude(at)
+        # PAUSING or SWAPPING: engines that have not answered are fenced; the rest go on.
+        want = {PAUSING: ("pause",), SWAPPING: ("swap", "fence_cache", "set_version")}[self.phase]
+        late = [e for e, r in self.runs.items() if not r.failed and r.step in want]
+        actions = []
+        for e in late:
+            actions += self._mark_failed(e, self.phase + "_timeout", "timed out")
+        return actions + self._progress(at)
+
+    def _handle_rejoin(self, event: Event) -> list[Action]:
+        e = event.engine
+        step = self.rejoining[e]
+        if isinstance(event, Timeout):
+            if event.phase != "rejoin" or event.token != self._rejoin_tokens.get(e):
+                return []
+            del self.rejoining[e]
+            return [DropStaged(e, version=self.live_version), Resume(e)]
+        if isinstance(event, (StageFailed, StepFailed, EngineDied)):
+            del self.rejoining[e]
+            return [DropStaged(e, version=self.live_version), Resume(e)]
+        if step == "stage" and isinstance(event, Staged):
+            if event.version != self.live_version:  # the fleet moved on meanwhile: stage again
+                return [Stage(e, version=self.live_version)]
+            self.rejoining[e] = "pause"
+            return [Pause(e, mode="abort", clear_cache=True)]
+        if step == "pause" and isinstance(event, Paused):
+            self.rejoining[e] = "swap"
+            self._rejoin_version[e] = self.live_version
+            return [Swap(e, version=self.live_version)]
+        if step == "swap" and isinstance(event, Swapped):
+            self.rejoining[e] = "fence_cache"
+            return [FenceCache(e)]
+        if step == "fence_cache" and isinstance(event, CacheFenced):
+            self.rejoining[e] = "set_version"
+            return [SetVersion(e, version=self._rejoin_version[e])]
+        if step == "set_version" and isinstance(event, VersionSet):
+            self.rejoining[e] = "resume"
+            return [Resume(e)]
+        if step == "resume" and isinstance(event, Resumed):
+            if self._rejoin_version[e] != self.live_version:  # the fleet moved on meanwhile
+                self.rejoining[e] = "stage"
+                return [Stage(e, version=self.live_version)]
+            del self.rejoining[e]
+            self.fenced.discard(e)
+            return [Unfence(e, version=self.live_version)]
+        return []
+
+    # -- helpers -----------------------------------------------------------------------------
+    def _live_runs(self) -> list[str]:
+        return [e for e, r in self.runs.items() if not r.failed]
+
+    def _all(self, step: str) -> bool:
+        return all(r.failed or r.step == step for r in self.runs.values())
+
+    def _timer(self, phase: str, seconds: float) -> StartTimer:
+        self._token += 1
+        return StartTimer(None, phase=phase, token=self._token, seconds=seconds)
+
+    def _finish(self, at: float, outcome: str, message: str) -> list[Action]:
+        engines = []
+        for e, r in self.runs.items():
+            if r.failed:
+                eo = ENGINE_FENCED
+            elif outcome in (ROLLED_BACK, FAILED):
+                eo = ROLLED_BACK
+            else:
+                eo = ACTIVATED
+            transfer = max(0.0, (r.staged_at or at) - self.started_at) if r.staged_at else 0.0
+            pause = max(0.0, (r.resumed_at or at) - r.paused_at) if r.paused_at is not None else 0.0
+            engines.append(EngineOutcome(e, eo, transfer, pause, dict(r.requests)))
+        carried = (self.kv_policy == "keep" or (not self.pauses and self.kv_policy != "abort")) and \
+            outcome in (ACTIVATED, ENGINE_FENCED)
+        record = Record(None, version=self.version if self.version is not None else -1, outcome=outcome,
+                        engines=tuple(engines), strategy=self.strategy, kv_policy=self.kv_policy,
+                        kv_carried=carried, message=message, at=at)
+        self.history.append(record)
+        self.phase, self.runs = IDLE, {}
+        self._token += 1  # any timer still running is stale now
+        return [record]
+
+
+def engines_of(actions: Iterable[Action], kind: type) -> list[str]:
+    return [a.engine for a in actions if isinstance(a, kind)]

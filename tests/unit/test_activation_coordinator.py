@@ -1,0 +1,338 @@
+"""Invariants of the pure activation coordinator under random event orders and failures.
+
+A small simulator plays the engines: every action the coordinator emits becomes pending, and
+hypothesis picks which pending action completes next, whether it succeeds, fails or never
+answers, when engines die and when timers fire. After every step the invariants are checked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from orchestrator.activation import (
+    ACTIVATED,
+    ENGINE_FENCED,
+    FAILED,
+    ROLLED_BACK,
+    AbortInflight,
+    ActivationCoordinator,
+    CacheFenced,
+    CoordinatorError,
+    Drain,
+    Drained,
+    DropStaged,
+    EngineDied,
+    Fence,
+    FenceCache,
+    Pause,
+    Paused,
+    Record,
+    Resume,
+    Resumed,
+    SetVersion,
+    Stage,
+    Staged,
+    StageFailed,
+    StartTimer,
+    StepFailed,
+    Swap,
+    Swapped,
+    Timeout,
+    Unfence,
+    VersionSet,
+)
+
+ENGINES = ("a", "b", "c")
+
+
+@dataclass
+class SimEngine:
+    paused: bool = False
+    dead: bool = False
+    weights: int = 0  # the version its weights hold
+    label: int = 0  # the version its tokens are labelled with
+    staged: int | None = None
+
+
+@dataclass
+class Sim:
+    coord: ActivationCoordinator
+    engines: dict[str, SimEngine] = field(default_factory=lambda: {e: SimEngine() for e in ENGINES})
+    pending: list = field(default_factory=list)  # actions awaiting an answer
+    timers: list = field(default_factory=list)
+    records: list = field(default_factory=list)
+    clock: float = 0.0
+    stage_failed: bool = False
+    swaps_this_activation: list = field(default_factory=list)
+    pauses_owed: dict[str, int] = field(default_factory=dict)
+    work_after_fence: list = field(default_factory=list)
+
+    def tick(self) -> float:
+        self.clock += 1.0
+        return self.clock
+
+    def apply(self, actions) -> None:
+        for action in actions:
+            self.check_action(action)
+            if isinstance(action, StartTimer):
+                self.timers.append(action)
+            elif isinstance(action, Record):
+                self.records.append(action)
+            elif isinstance(action, Fence | Unfence | DropStaged | AbortInflight):
+                if isinstance(action, DropStaged):
+                    self.engines[action.engine].staged = None
+            else:
+                if isinstance(action, Pause):
+                    self.pauses_owed[action.engine] = self.pauses_owed.get(action.engine, 0) + 1
+                if isinstance(action, Resume):
+                    self.pauses_owed[action.engine] = 0
+                self.pending.append(action)
+
+    def check_action(self, action) -> None:
+        coord = self.coord
+        if isinstance(action, Swap):
+            assert not self.stage_failed, "a Swap after a failed stage"
+            self.swaps_this_activation.append(action.engine)
+        if isinstance(action, Stage | Swap | Pause | SetVersion | Drain | FenceCache):
+            if action.engine in coord.fenced and action.engine not in coord.rejoining:
+                self.work_after_fence.append(action)
+
+    def answer(self, action, outcome: str):
+        """outcome: ok / fail / die; returns the event for the coordinator."""
+        e = self.engines[action.engine]
+        at = self.tick()
+        if outcome == "die" or e.dead:
+            e.dead = True
+            e.paused = False  # a dead engine holds nobody
+            return EngineDied(action.engine, at, error="killed")
+        if outcome == "fail":
+            if isinstance(action, Stage):
+                return StageFailed(action.engine, at, version=action.version, error="injected")
+            step = {Pause: "pause", Swap: "swap", FenceCache: "fence_cache", SetVersion: "set_version",
+                    Resume: "resume", Drain: "drain"}[type(action)]
+            return StepFailed(action.engine, at, step=step, error="injected")
+        if isinstance(action, Stage):
+            e.staged = action.version
+            return Staged(action.engine, at, version=action.version)
+        if isinstance(action, Drain):
+            return Drained(action.engine, at)
+        if isinstance(action, Pause):
+            e.paused = True
+            return Paused(action.engine, at)
+        if isinstance(action, Swap):
+            assert e.staged == action.version or action.rollback
+            e.weights = action.version
+            return Swapped(action.engine, at, version=action.version)
+        if isinstance(action, FenceCache):
+            return CacheFenced(action.engine, at)
+        if isinstance(action, SetVersion):
+            e.label = action.version
+            return VersionSet(action.engine, at, version=action.version)
+        if isinstance(action, Resume):
+            e.paused = False
+            return Resumed(action.engine, at)
+        raise AssertionError(action)
+
+    def feed(self, event) -> None:
+        before = self.coord.live_version
+        self.apply(self.coord.handle(event))
+        after = self.coord.live_version
+        if after != before:
+            # the live version changes only once every engine still in the fleet applied it
+            for name in self.coord.engines:
+                if name not in self.coord.fenced:
+                    assert self.engines[name].weights == after, (name, self.engines[name])
+                    assert self.engines[name].label == after
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(),
+       strategy=st.sampled_from(["pause_swap", "double_buffer", "pause_free"]),
+       policy=st.sampled_from(["recompute", "keep", "drain", "abort"]))
+def test_random_orders_and_failures_keep_the_invariants(data, strategy, policy):
+    if strategy == "pause_free" and policy == "recompute":
+        policy = "keep"
+    sim = Sim(ActivationCoordinator(ENGINES, strategy=strategy, kv_policy=policy))
+    version = 0
+    for _activation in range(data.draw(st.integers(1, 3), label="activations")):
+        version += 1
+        sim.stage_failed = False
+        sim.swaps_this_activation = []
+        n_records = len(sim.records)
+        for e in list(sim.coord.fenced):
+            if data.draw(st.booleans(), label=f"rejoin {e}") and not sim.engines[e].dead:
+                sim.apply(sim.coord.rejoin(e, sim.tick()))
+        sim.apply(sim.coord.begin(version, sim.tick()))
+        steps = 0
+        while not sim.coord.idle or sim.pending or sim.coord.rejoining:
+            steps += 1
+            assert steps < 500, "no progress"
+            choices = ["answer"] * bool(sim.pending) + ["timer"] * bool(sim.timers)
+            if not choices:
+                break
+            kind = data.draw(st.sampled_from(choices), label="kind")
+            if kind == "timer":
+                timer = sim.timers.pop(data.draw(st.integers(0, len(sim.timers) - 1), label="timer"))
+                sim.feed(Timeout(timer.engine, sim.tick(), phase=timer.phase, token=timer.token))
+                continue
+            action = sim.pending.pop(data.draw(st.integers(0, len(sim.pending) - 1), label="which"))
+            outcome = data.draw(st.sampled_from(["ok"] * 6 + ["fail", "die", "hang"]), label="outcome")
+            if outcome == "hang":
+                continue  # never answers: only a timer gets the coordinator further
+            event = sim.answer(action, outcome)
+            if isinstance(event, StageFailed) and sim.coord.phase == "staging" and action.engine in sim.coord.runs:
+                sim.stage_failed = True
+            if isinstance(event, EngineDied) and sim.coord.phase == "staging" and action.engine in sim.coord.runs:
+                sim.stage_failed = True
+            sim.feed(event)
+        # one record per activation
+        assert len(sim.records) == n_records + 1
+        record = sim.records[-1]
+        assert record.version == version
+        if sim.stage_failed:
+            assert record.outcome in (ROLLED_BACK, FAILED)
+            assert sim.swaps_this_activation == []
+        if record.outcome in (ACTIVATED, ENGINE_FENCED):
+            assert sim.coord.live_version == version
+        else:
+            assert sim.coord.live_version < version
+        # nobody is left paused: every alive engine that was paused got a Resume that answered
+        for name, eng in sim.engines.items():
+            if not eng.dead:
+                assert not eng.paused or sim.pauses_owed.get(name, 0) == 0, (name, eng)
+        assert sim.work_after_fence == []
+        for name in sim.coord.fenced:
+            assert name not in sim.coord.serving
+            assert not sim.coord.may_dispatch(name)
+
+
+def drive_ok(coord: ActivationCoordinator, version: int, fail: dict | None = None):
+    """Answer every action successfully (or as `fail` says), in order; returns all actions."""
+    fail = fail or {}
+    seen = []
+    queue = list(coord.begin(version, 0.0))
+    t = 0.0
+    while queue:
+        action = queue.pop(0)
+        seen.append(action)
+        t += 1
+        e = action.engine
+        if isinstance(action, StartTimer | Record | Fence | DropStaged | Unfence | AbortInflight):
+            continue
+        kind = type(action).__name__
+        if fail.get((e, kind)) == "fail":
+            event = StageFailed(e, t, version=version) if kind == "Stage" else StepFailed(e, t, step=kind.lower())
+        elif fail.get((e, kind)) == "die":
+            event = EngineDied(e, t)
+        elif fail.get((e, kind)) == "hang":
+            continue
+        else:
+            event = {"Stage": lambda: Staged(e, t, version=version), "Pause": lambda: Paused(e, t),
+                     "Swap": lambda: Swapped(e, t, version=version, requests={"r1": 3}),
+                     "FenceCache": lambda: CacheFenced(e, t), "SetVersion": lambda: VersionSet(e, t, version=version),
+                     "Resume": lambda: Resumed(e, t), "Drain": lambda: Drained(e, t)}[kind]()
+        queue.extend(coord.handle(event))
+    return seen
+
+
+def test_happy_path_order_and_record():
+    coord = ActivationCoordinator(["a", "b"])
+    actions = drive_ok(coord, 1)
+    kinds = [type(a).__name__ for a in actions if not isinstance(a, StartTimer)]
+    assert kinds[:2] == ["Stage", "Stage"]
+    # no engine pauses before both staged; no resume before both applied
+    assert kinds.index("Pause") > max(i for i, k in enumerate(kinds) if k == "Stage")
+    last_set = max(i for i, k in enumerate(kinds) if k == "SetVersion")
+    assert kinds.index("Resume") > last_set
+    record = [a for a in actions if isinstance(a, Record)][-1]
+    assert record.outcome == ACTIVATED and coord.live_version == 1
+    assert {eo.engine: eo.swapped_requests for eo in record.engines} == {"a": {"r1": 3}, "b": {"r1": 3}}
+    pauses = [a for a in actions if isinstance(a, Pause)]
+    assert all(p.mode == "keep" and p.clear_cache for p in pauses)
+
+
+def test_one_engine_failing_to_stage_activates_none():
+    coord = ActivationCoordinator(["a", "b"])
+    actions = drive_ok(coord, 1, fail={("b", "Stage"): "fail"})
+    assert not any(isinstance(a, Pause | Swap | SetVersion) for a in actions)
+    assert {a.engine for a in actions if isinstance(a, DropStaged)} == {"a", "b"}
+    assert coord.live_version == 0 and coord.idle and not coord.fenced
+    assert [a for a in actions if isinstance(a, Record)][-1].outcome == ROLLED_BACK
+    # the next version tries again
+    drive_ok(coord, 2)
+    assert coord.live_version == 2
+
+
+def test_hanging_stage_times_out_and_the_old_version_stays():
+    coord = ActivationCoordinator(["a", "b"])
+    actions = drive_ok(coord, 1, fail={("a", "Stage"): "hang"})
+    assert coord.phase == "staging"
+    timer = [a for a in actions if isinstance(a, StartTimer)][0]
+    out = coord.handle(Timeout(None, 99.0, phase=timer.phase, token=timer.token))
+    assert [a.outcome for a in out if isinstance(a, Record)] == [ROLLED_BACK]
+    assert coord.live_version == 0 and coord.idle
+    # a late answer of the hung engine changes nothing
+    assert coord.handle(Staged("a", 100.0, version=1)) == []
+
+
+def test_engine_dying_during_the_pause_is_fenced_and_the_other_activates():
+    coord = ActivationCoordinator(["a", "b"])
+    actions = drive_ok(coord, 1, fail={("b", "Swap"): "die"})
+    assert coord.live_version == 1
+    assert coord.fenced == {"b"} and coord.serving == ("a",)
+    assert [a.outcome for a in actions if isinstance(a, Record)] == [ENGINE_FENCED]
+    assert any(isinstance(a, Resume) and a.engine == "a" for a in actions)
+
+
+def test_rejoin_resyncs_to_the_live_version_before_serving():
+    coord = ActivationCoordinator(["a", "b"])
+    drive_ok(coord, 1, fail={("b", "SetVersion"): "fail"})
+    assert coord.fenced == {"b"}
+    out = coord.rejoin("b", 10.0)
+    assert isinstance(out[0], Stage) and out[0].version == 1
+    events = [Staged("b", 11, version=1), Paused("b", 12), Swapped("b", 13, version=1),
+              CacheFenced("b", 14), VersionSet("b", 15, version=1), Resumed("b", 16)]
+    emitted = []
+    for ev in events:
+        emitted += coord.handle(ev)
+    assert isinstance(emitted[-1], Unfence) and coord.fenced == set()
+
+
+def test_pause_free_never_pauses_and_keep_marks_carried_kv():
+    coord = ActivationCoordinator(["a", "b"], strategy="pause_free", kv_policy="keep")
+    actions = drive_ok(coord, 1)
+    assert not any(isinstance(a, Pause | Resume) for a in actions)
+    assert all(a.between_steps for a in actions if isinstance(a, Swap))
+    record = [a for a in actions if isinstance(a, Record)][-1]
+    assert record.outcome == ACTIVATED and record.kv_carried
+
+
+@pytest.mark.parametrize("policy,mode,clear", [("recompute", "keep", True), ("keep", "keep", False),
+                                                ("abort", "abort", True), ("drain", "keep", True)])
+def test_kv_policy_shapes_the_pause(policy, mode, clear):
+    coord = ActivationCoordinator(["a"], kv_policy=policy)
+    actions = drive_ok(coord, 1)
+    pause = [a for a in actions if isinstance(a, Pause)][0]
+    assert (pause.mode, pause.clear_cache) == (mode, clear)
+    kinds = [type(a).__name__ for a in actions]
+    if policy == "drain":
+        assert kinds.index("Drain") < kinds.index("Pause")
+    if policy == "abort":
+        assert kinds.index("AbortInflight") < kinds.index("Pause")
+
+
+def test_bad_calls_are_refused():
+    with pytest.raises(ValueError):
+        ActivationCoordinator(["a"], strategy="pause_free", kv_policy="recompute")
+    coord = ActivationCoordinator(["a"])
+    with pytest.raises(CoordinatorError):
+        coord.begin(0, 0.0)
+    coord.begin(1, 0.0)
+    with pytest.raises(CoordinatorError):
+        coord.begin(2, 0.0)
+    with pytest.raises(CoordinatorError):
+        ActivationCoordinator(["a"]).begin(1, 0.0, rollback=True)
