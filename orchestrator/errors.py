@@ -6,8 +6,15 @@
     └── EngineError                   anything an inference engine did wrong
         ├── EngineGenerateError       one request failed; the engine still serves (recoverable)
         ├── EngineTimeoutError        a remote call passed its deadline; the engine may be alive
-        └── EngineDeadError           the engine is gone (process exited, socket refused); fatal
-                                      for that engine, which reports unhealthy from then on
+        ├── EngineDeadError           the engine is gone (process exited, socket refused); fatal
+        │                             for that engine, which reports unhealthy from then on
+        └── FencedEngineError         the engine was fenced out of the fleet by a failed
+                                      activation step; it takes no new requests until it
+                                      re-synced to the live version (`Fleet.rejoin`)
+    ActivationError (InflightError)   an activation could not run at all (no engine serves);
+                                      a failed activation itself is not an exception: it is
+                                      recorded (`activation.Record`, outcome rolled_back,
+                                      engine_fenced or failed) and the old version keeps serving
 
 `replay` and `transports` never import `orchestrator`, so they keep their own small trees
 (`replay.errors.ReplayError`, `transports.base.TransportError`); the CLI treats those as
@@ -51,3 +58,11 @@ class EngineTimeoutError(EngineError):
 
 class EngineDeadError(EngineError):
     """The engine process is gone; every in-flight and future call fails with this."""
+
+
+class FencedEngineError(EngineError):
+    """The engine was fenced out of the fleet; it serves again only after re-syncing."""
+
+
+class ActivationError(InflightError):
+    """An activation could not be attempted (e.g. every engine is fenced)."""
