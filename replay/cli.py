@@ -33,6 +33,9 @@ def register(sub: argparse._SubParsersAction, bench_sub: argparse._SubParsersAct
     stats.add_argument("--status", action="append", default=[], choices=STATUSES,
                        help="only rollouts with this terminal status (repeatable)")
     stats.add_argument("--per-step", action="store_true", help="also print the per-step table")
+    stats.add_argument("--verify", action="store_true",
+                       help="decode and validate every record, ignoring the segments' sidecar "
+                            "summaries (they are used when they match a segment byte for byte)")
     stats.set_defaults(func=run_stats)
 
     export = sub.add_parser("export", help="export a replay log to Parquet",
@@ -110,7 +113,7 @@ def run_stats(args: argparse.Namespace) -> int:
     with _expected_failures() as code, _progress() as progress:
         advance = progress("reading replay log", None)
         stats = stats_from_log(args.run_dir, filters, lenient=args.lenient,
-                               on_record=lambda: advance(1))
+                               on_record=lambda: advance(1), sidecars=not args.verify)
     if code[0]:
         return code[0]
     if args.json:

@@ -149,6 +149,27 @@ class OsFileSystem:
     def open_append(self, path: str) -> OsAppendFile:
         return OsAppendFile(path)
 
+    def write_atomic(self, path: str, data: bytes) -> None:
+        """Replace `path` with `data` all at once: a reader sees the old file, the whole new
+        one, or none, never a part (temp file, fsync, rename, directory fsync)."""
+        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        try:
+            with open(tmp, "wb") as file:
+                file.write(data)
+                file.flush()
+                os.fsync(file.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        self.sync_dir(os.path.dirname(path))
+
+    def remove(self, path: str) -> None:
+        os.unlink(path)
+
     def sync_dir(self, path: str) -> None:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
         try:
@@ -369,50 +390,85 @@ class LogReader:
         self.torn_tail_bytes = 0
         self.problems: list[str] = []
 
+    def segments(self) -> list[tuple[str, bool]]:
+        """(segment name, is the newest) of every segment, in order."""
+        indices = _segment_indices(self.fs, self.log_dir)
+        return [(segment_name(index), position == len(indices) - 1)
+                for position, index in enumerate(indices)]
+
     def frames(self) -> Iterator[tuple[str, int, memoryview]]:
         """(segment name, offset, payload) of every valid frame."""
-        indices = _segment_indices(self.fs, self.log_dir)
-        for position, index in enumerate(indices):
-            name = segment_name(index)
-            data = self.fs.read_bytes(os.path.join(self.log_dir, name))
-            scan = SegmentScan(name=name, size=len(data))
-            try:
-                for offset, payload in iter_segment_frames(
-                        data, scan, is_last=position == len(indices) - 1, lenient=self.lenient):
-                    yield name, offset, payload
-            finally:
-                self.corrupt_records += scan.corrupt_records
-                self.torn_tail_bytes += scan.torn_tail_bytes
-                self.problems.extend(scan.problems)
+        for name, is_last in self.segments():
+            for offset, payload in self.segment_frames(name, is_last):
+                yield name, offset, payload
+
+    def read_segment(self, name: str) -> bytes:
+        """A segment's bytes (a read-only map); pass them to segment_frames/segment_records and
+        release them with release_segment."""
+        return self.fs.read_bytes(os.path.join(self.log_dir, name))
+
+    @staticmethod
+    def release_segment(data: bytes) -> None:
+        _release_map(data)
+
+    def segment_frames(self, name: str, is_last: bool,
+                       data: bytes | None = None) -> Iterator[tuple[int, memoryview]]:
+        """(offset, payload) of every valid frame of one segment (read here unless `data`)."""
+        owned = data is None
+        if data is None:
+            data = self.read_segment(name)
+        scan = SegmentScan(name=name, size=len(data))
+        try:
+            yield from iter_segment_frames(data, scan, is_last=is_last, lenient=self.lenient)
+        finally:
+            self.corrupt_records += scan.corrupt_records
+            self.torn_tail_bytes += scan.torn_tail_bytes
+            self.problems.extend(scan.problems)
+            if owned:
                 _release_map(data)
+
+    def segment_records(self, name: str, is_last: bool, data: bytes | None = None) -> Iterator[Record]:
+        """The records of one segment (see __iter__)."""
+        for offset, payload in self.segment_frames(name, is_last, data):
+            try:
+                record = decode_record(payload)
+            except InvalidRecordError as exc:
+                self._skip_invalid(exc, name, offset)
+                continue
+            self.records_read += 1
+            yield record
 
     def located(self) -> Iterator[LocatedRecord]:
         """Every valid record with the segment and offset of its frame."""
         for name, offset, payload in self.frames():
-            record = self._decode(name, offset, payload)
-            if record is not None:
-                yield LocatedRecord(name, offset, record)
+            try:
+                record = decode_record(payload)
+            except InvalidRecordError as exc:
+                self._skip_invalid(exc, name, offset)
+                continue
+            self.records_read += 1
+            yield LocatedRecord(name, offset, record)
 
     def __iter__(self) -> Iterator[Record]:
+        # The same loop as located(), without building a LocatedRecord: this one runs once
+        # per record on the scan path.
         for name, offset, payload in self.frames():
-            record = self._decode(name, offset, payload)
-            if record is not None:
-                yield record
+            try:
+                record = decode_record(payload)
+            except InvalidRecordError as exc:
+                self._skip_invalid(exc, name, offset)
+                continue
+            self.records_read += 1
+            yield record
 
-    def _decode(self, name: str, offset: int, payload: memoryview) -> Record | None:
-        try:
-            record = decode_record(payload)
-        except InvalidRecordError as exc:
-            located = exc.at(name, offset)
-            if not self.lenient:
-                raise located from None
-            self.invalid_records += 1
-            self.problems.append(str(located))
-            log.warning("replay.invalid_record_skipped", segment=name, offset=offset,
-                        field=exc.field, reason=exc.reason)
-            return None
-        self.records_read += 1
-        return record
+    def _skip_invalid(self, exc: InvalidRecordError, name: str, offset: int) -> None:
+        located = exc.at(name, offset)
+        if not self.lenient:
+            raise located from None
+        self.invalid_records += 1
+        self.problems.append(str(located))
+        log.warning("replay.invalid_record_skipped", segment=name, offset=offset,
+                    field=exc.field, reason=exc.reason)
 
 
 class ScanResult(msgspec.Struct):

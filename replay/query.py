@@ -22,14 +22,16 @@ never the token blobs, so a million rollouts fit in a few tens of megabytes.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+import crc32c
 import msgspec
 import numpy as np
+import structlog
 
-from replay.log import FileSystem, LogReader
+from replay.log import SEGMENT_SUFFIX, FileSystem, LogReader
 from replay.records import (
     DROP_STALE,
     STATUS_NAMES,
@@ -42,6 +44,8 @@ from replay.records import (
     RolloutRecord,
     int32_values,
 )
+
+log = structlog.get_logger(__name__)
 
 PERCENTILES: Final = (50, 90, 99)
 NOT_CONSUMED: Final = -1
@@ -119,25 +123,43 @@ class _Vocabulary:
         return index
 
 
+# Per-rollout columns (consumed aside: it stays a list, consumption records change it later).
+_ROLLOUT_DTYPES: Final = {
+    "rollout_id": np.int64, "engine": np.int32, "status": np.int8, "detail": np.int32,
+    "dispatched": np.int64, "span_start": np.int64, "span_end": np.int64, "n_versions": np.int32,
+    "n_tokens": np.int64}
+_RUN_DTYPES: Final = {"seg_row": np.int64, "seg_version": np.int64, "seg_tokens": np.int64}
+
+
 class ColumnBuilder:
     """Accumulates records (in log order) into `Columns`. Cheap per record: no token blobs
-    are kept. Consumption records may come before or after the rollouts they name."""
+    are kept. Consumption records may come before or after the rollouts they name.
+
+    Rows arrive one record at a time (`add`) or a segment at a time from a sidecar summary
+    (`add_summary`); both give the same columns. Rows added one by one wait in lists, which
+    become a numpy chunk when a summary's chunk follows or at `build`.
+    """
 
     def __init__(self) -> None:
         self._engines, self._reasons, self._kinds, self._outcomes = (
             _Vocabulary(), _Vocabulary(), _Vocabulary(), _Vocabulary())
-        self._rollout: dict[str, list[int]] = {name: [] for name in (
-            "rollout_id", "engine", "status", "detail", "dispatched", "span_start", "span_end",
-            "n_versions", "n_tokens", "consumed")}
+        self._rollout: dict[str, list[int]] = {name: [] for name in _ROLLOUT_DTYPES}
         self._seg_row: list[int] = []
         self._seg_version: list[int] = []
         self._seg_tokens: list[int] = []
+        self._chunks: list[dict[str, np.ndarray]] = []
+        self._rows = 0
+        self._consumed: list[int] = []
         self._act_version: list[int] = []
         self._act_outcome: list[int] = []
         self._entry: dict[str, list[Any]] = {name: [] for name in (
             "activation", "engine", "transfer_s", "pause_s")}
         self._row_of: dict[int, int] = {}
         self._pending_consumption: dict[int, int] = {}
+
+    @property
+    def rows(self) -> int:
+        return self._rows
 
     def add(self, record: Record) -> None:
         if isinstance(record, RolloutRecord):
@@ -149,7 +171,8 @@ class ColumnBuilder:
         # RunMetaRecord: nothing to count
 
     def add_rollout(self, rec: RolloutRecord) -> None:
-        row = len(self._rollout["rollout_id"])
+        row = self._rows
+        self._rows += 1
         status = rec.status
         if isinstance(status, Dropped):
             detail = self._reasons(status.reason)
@@ -181,11 +204,11 @@ class ColumnBuilder:
         columns["span_end"].append(last)
         columns["n_versions"].append(len(values))
         columns["n_tokens"].append(n_tokens)
-        columns["consumed"].append(consumed)
+        self._consumed.append(consumed)
         self._row_of[rec.rollout_id] = row
 
     def add_consumption(self, rec: ConsumptionRecord) -> None:
-        consumed = self._rollout["consumed"]
+        consumed = self._consumed
         for rollout_id in rec.rollout_ids:
             row = self._row_of.get(rollout_id)
             if row is None:
@@ -203,22 +226,75 @@ class ColumnBuilder:
             self._entry["transfer_s"].append(engine.transfer_s)
             self._entry["pause_s"].append(engine.pause_s)
 
+    # -- a segment at a time ------------------------------------------------------------------
+
+    def add_summary(self, summary: SegmentSummary) -> None:
+        """Add a segment's records from its summary, with the same result as adding them one
+        by one: rollout rows go in as numpy chunks, between the consumption and activation
+        records in the order the segment held them."""
+        part = {name: np.frombuffer(blob, dtype) for name, blob, dtype in summary.arrays()}
+        run_end = np.cumsum(part["n_versions"], dtype=np.int64)
+        start = 0
+        for event in summary.events:
+            self._add_rows(summary, part, run_end, start, event.at)
+            start = event.at
+            self.add(event.record)
+        self._add_rows(summary, part, run_end, start, len(part["rollout_id"]))
+
+    def _add_rows(self, summary: SegmentSummary, part: dict[str, np.ndarray], run_end: np.ndarray,
+                  lo: int, hi: int) -> None:
+        if lo == hi:
+            return
+        self._flush()
+        row0, n = self._rows, hi - lo
+        chunk = {name: part[name][lo:hi] for name in _ROLLOUT_DTYPES}
+        # Vocabulary codes are the segment's own: map them onto this builder's, registering
+        # names in the order the records first used them (as add_rollout would have).
+        chunk["engine"] = _recode(chunk["engine"], summary.engines, self._engines)
+        status, detail = chunk["status"], chunk["detail"].copy()
+        for code, names, vocabulary in ((1, summary.drop_reasons, self._reasons),
+                                        (2, summary.error_kinds, self._kinds)):
+            rows = status == code
+            detail[rows] = _recode(detail[rows], names, vocabulary)
+        chunk["detail"] = detail
+        runs = slice(int(run_end[lo - 1]) if lo else 0, int(run_end[hi - 1]))
+        chunk["seg_row"] = part["seg_row"][runs] + (row0 - lo)
+        chunk["seg_version"], chunk["seg_tokens"] = part["seg_version"][runs], part["seg_tokens"][runs]
+        self._chunks.append(chunk)
+        ids = chunk["rollout_id"].tolist()
+        consumed = part["consumed"][lo:hi].tolist()  # the records' own consumed_step, else -1
+        if self._pending_consumption:  # consumption records that came before these rollouts
+            for i, rollout_id in enumerate(ids):
+                if consumed[i] == NOT_CONSUMED:
+                    consumed[i] = self._pending_consumption.pop(rollout_id, NOT_CONSUMED)
+        self._consumed.extend(consumed)
+        self._row_of.update(zip(ids, range(row0, row0 + n)))
+        self._rows += n
+
+    def _flush(self) -> None:
+        """Turn the rows added one by one into a chunk."""
+        if not self._rollout["rollout_id"]:
+            return
+        chunk = {name: np.array(values, _ROLLOUT_DTYPES[name]) for name, values in self._rollout.items()}
+        for name, values in (("seg_row", self._seg_row), ("seg_version", self._seg_version),
+                             ("seg_tokens", self._seg_tokens)):
+            chunk[name] = np.array(values, _RUN_DTYPES[name])
+            values.clear()
+        for values in self._rollout.values():
+            values.clear()
+        self._chunks.append(chunk)
+
     def build(self) -> Columns:
-        r, e = self._rollout, self._entry
+        self._flush()
+        e = self._entry
+
+        def column(name: str, dtype: Any) -> np.ndarray:
+            parts = [chunk[name] for chunk in self._chunks]
+            return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype)
+
         return Columns(
-            rollout_id=np.array(r["rollout_id"], np.int64),
-            engine=np.array(r["engine"], np.int32),
-            status=np.array(r["status"], np.int8),
-            detail=np.array(r["detail"], np.int32),
-            dispatched=np.array(r["dispatched"], np.int64),
-            span_start=np.array(r["span_start"], np.int64),
-            span_end=np.array(r["span_end"], np.int64),
-            n_versions=np.array(r["n_versions"], np.int32),
-            n_tokens=np.array(r["n_tokens"], np.int64),
-            consumed=np.array(r["consumed"], np.int64),
-            seg_row=np.array(self._seg_row, np.int64),
-            seg_version=np.array(self._seg_version, np.int64),
-            seg_tokens=np.array(self._seg_tokens, np.int64),
+            **{name: column(name, dtype) for name, dtype in (_ROLLOUT_DTYPES | _RUN_DTYPES).items()},
+            consumed=np.array(self._consumed, np.int64),
             act_version=np.array(self._act_version, np.int64),
             act_outcome=np.array(self._act_outcome, np.int32),
             entry_activation=np.array(e["activation"], np.int64),
@@ -231,6 +307,114 @@ class ColumnBuilder:
             outcomes=list(self._outcomes.names),
             unmatched_consumptions=len(self._pending_consumption),
         )
+
+
+def _recode(codes: np.ndarray, names: list[str], vocabulary: _Vocabulary) -> np.ndarray:
+    if len(codes) == 0:
+        return codes.astype(np.int32)
+    present, first = np.unique(codes, return_index=True)
+    table = np.full(len(names), -1, np.int32)
+    for code in present[np.argsort(first)]:
+        table[code] = vocabulary(names[code])
+    return table[codes]
+
+
+# --------------------------------------------------------------------------------------------
+# Sidecar summaries of segments.
+
+
+class SummaryEvent(msgspec.Struct, array_like=True):
+    """A consumption or activation record, after `at` rollouts of its segment."""
+
+    at: int
+    record: ConsumptionRecord | ActivationRecord
+
+
+class SegmentSummary(msgspec.Struct, array_like=True):
+    """What ColumnBuilder needs from one segment, without token blobs: its rollouts as
+    little-endian column bytes (vocabulary codes index this segment's own name lists), its
+    consumption and activation records, and how many records it held."""
+
+    records: int
+    columns: dict[str, bytes]
+    engines: list[str]
+    drop_reasons: list[str]
+    error_kinds: list[str]
+    events: list[SummaryEvent]
+    format: int = 1
+
+    def arrays(self) -> list[tuple[str, bytes, Any]]:
+        dtypes = _ROLLOUT_DTYPES | _RUN_DTYPES | {"consumed": np.int64}
+        return [(name, self.columns[name], np.dtype(dtypes[name]).newbyteorder("<"))
+                for name in dtypes]
+
+
+def summarize_segment(records: Iterable[Record]) -> SegmentSummary:
+    """The summary of one segment's records (in order)."""
+    builder, events, count = ColumnBuilder(), [], 0
+    for record in records:
+        count += 1
+        if isinstance(record, RolloutRecord):
+            builder.add_rollout(record)  # no consumption seen: `consumed` is its own, else -1
+        elif isinstance(record, ConsumptionRecord | ActivationRecord):
+            events.append(SummaryEvent(builder.rows, record))
+    columns = builder.build()
+    local_rows = {"seg_row": columns.seg_row}  # rows of this segment, from 0
+    blobs = {name: np.ascontiguousarray(local_rows.get(name, getattr(columns, name)),
+                                        np.dtype(dtype).newbyteorder("<")).tobytes()
+             for name, dtype in (_ROLLOUT_DTYPES | _RUN_DTYPES | {"consumed": np.int64}).items()}
+    return SegmentSummary(count, blobs, columns.engines, columns.drop_reasons,
+                          columns.error_kinds, events)
+
+
+SIDECAR_SUFFIX: Final = ".cols"
+_summary_decoder = msgspec.msgpack.Decoder(SegmentSummary)
+
+
+def sidecar_name(segment: str, size: int, crc: int) -> str:
+    """A sidecar is named after the exact bytes it summarizes: used only while the segment
+    still has that size and CRC32C (an append, a cut or a flipped byte changes them)."""
+    return f"{segment}.{size}.{crc:08x}{SIDECAR_SUFFIX}"
+
+
+def _sidecars(fs: FileSystem, log_dir: str) -> dict[str, list[str]]:
+    found: dict[str, list[str]] = {}
+    for name in fs.list_dir(log_dir):
+        if name.endswith(SIDECAR_SUFFIX):
+            found.setdefault(name.split(".", 2)[0] + SEGMENT_SUFFIX, []).append(name)
+        # (temp files end in .tmp and are ignored)
+    return found
+
+
+def _load_sidecar(fs: FileSystem, log_dir: str, segment: str, data: bytes,
+                  candidates: list[str]) -> SegmentSummary | None:
+    prefix = f"{segment}.{len(data)}."
+    if not any(name.startswith(prefix) for name in candidates):
+        return None  # the size alone rules every sidecar out: no need to checksum
+    wanted = sidecar_name(segment, len(data), crc32c.crc32c(data))
+    if wanted not in candidates:
+        return None
+    try:
+        return _summary_decoder.decode(fs.read_bytes(os.path.join(log_dir, wanted)))
+    except (OSError, msgspec.DecodeError) as exc:
+        log.warning("replay.sidecar_unreadable", sidecar=wanted, error=str(exc))
+        return None
+
+
+def _write_sidecar(fs: FileSystem, log_dir: str, segment: str, data: bytes,
+                   summary: SegmentSummary, stale: list[str]) -> None:
+    """Best effort: a log directory we may not write to, or a full disk, costs only speed."""
+    write_atomic = getattr(fs, "write_atomic", None)
+    if write_atomic is None:
+        return
+    name = sidecar_name(segment, len(data), crc32c.crc32c(data))
+    try:
+        write_atomic(os.path.join(log_dir, name), msgspec.msgpack.encode(summary))
+        for old in stale:
+            if old != name:
+                fs.remove(os.path.join(log_dir, old))  # type: ignore[attr-defined]
+    except OSError as exc:
+        log.warning("replay.sidecar_not_written", segment=segment, error=str(exc))
 
 
 # --------------------------------------------------------------------------------------------
@@ -430,21 +614,55 @@ def columns_from_records(records: Iterable[Record]) -> Columns:
 
 def stats_from_log(run_dir: str | os.PathLike[str], filters: Filters | None = None, *,
                    lenient: bool = False, fs: FileSystem | None = None,
-                   on_record: Callable[[], None] | None = None) -> dict[str, Any]:
-    """Scan (verifying every record) and summarize a log. `on_record` is called per record
-    (progress display). Raises CorruptRecordError / InvalidRecordError unless `lenient`."""
+                   on_record: Callable[[], None] | None = None,
+                   sidecars: bool = True) -> dict[str, Any]:
+    """Summarize a log, segment by segment. Raises CorruptRecordError / InvalidRecordError
+    unless `lenient`. `on_record` is called per record scanned (progress display).
+
+    A segment whose sidecar matches its exact size and CRC32C is read from the sidecar: its
+    bytes are still checksummed in full, so it is exactly what was summarized when every
+    record in it passed verification. Any other segment is scanned (every frame verified,
+    every record decoded and validated) and, if it held no corrupt or invalid record and no
+    torn tail, gets a new sidecar. `sidecars=False` (`--verify`) scans every segment.
+    """
     reader = LogReader(run_dir, lenient=lenient, fs=fs)
+    found = _sidecars(reader.fs, reader.log_dir)
     builder = ColumnBuilder()
-    for record in reader:
-        builder.add(record)
-        if on_record is not None:
-            on_record()
+    records = 0
+    for segment, is_last in reader.segments():
+        data = reader.read_segment(segment)
+        try:
+            summary = (_load_sidecar(reader.fs, reader.log_dir, segment, data, found.get(segment, []))
+                       if sidecars else None)
+            if summary is None:
+                problems = (reader.corrupt_records, reader.invalid_records, reader.torn_tail_bytes)
+                summary = summarize_segment(_counted(reader.segment_records(segment, is_last, data),
+                                                     on_record))
+                if problems == (reader.corrupt_records, reader.invalid_records, reader.torn_tail_bytes):
+                    _write_sidecar(reader.fs, reader.log_dir, segment, data, summary,
+                                   found.get(segment, []))
+            builder.add_summary(summary)
+            records += summary.records
+        finally:
+            reader.release_segment(data)
     stats = compute_stats(builder.build(), filters)
     stats["log"] = {
         "directory": reader.log_dir,
-        "records": reader.records_read,
+        "records": records,
         "corrupt_records": reader.corrupt_records,
         "invalid_records": reader.invalid_records,
         "torn_tail_bytes": reader.torn_tail_bytes,
     }
     return stats
+
+
+def _counted(records: Iterator[Record], on_record: Callable[[], None] | None) -> Iterator[Record]:
+    if on_record is None:
+        return records
+    return _each_counted(records, on_record)
+
+
+def _each_counted(records: Iterator[Record], on_record: Callable[[], None]) -> Iterator[Record]:
+    for record in records:
+        on_record()
+        yield record

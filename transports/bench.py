@@ -12,9 +12,10 @@ receiving process that replays into preallocated tensors. Per transport:
 
 Transport and reference run interleaved (`rounds` times each, after one warm-up of each);
 the best time of each is reported. Peak extra RSS of sender and receiver: the resident
-high-water mark (VmHWM, reset through /proc/self/clear_refs before each timed transfer; a
-2 ms sampling thread where that is not permitted) over the process's RSS before the transport
-existed, so arenas that live across versions count as well as transient buffers.
+high-water mark (VmHWM, reset through /proc/self/clear_refs; a 2 ms sampling thread where
+that is not permitted) across init, a warm-up version and one more, over the process's RSS
+before the transport existed (so arenas that live across versions count as well as transient
+buffers), measured before the reference allocates anything.
 """
 
 from __future__ import annotations
@@ -339,24 +340,22 @@ def _bench_one(kind: str, state, bucket_bytes: int, workdir: Path, progress, tas
         bucket_bytes=bucket_bytes, wire_dtype=None, timeout_s=300)
     reference = Reference(kind, engine, state, workdir)
     try:
+        # Memory: init, a warm-up version and a warm one, before the reference holds any.
         sender_rss.start()
         engine.rss_start()
         sync.init_communicator()
-        sync.mark_stale()
-        sync.sync_weights()  # warm-up: page faults, connections, arenas
-        sender_rss.stop()
-        engine.rss_stop()
+        for _ in range(2):
+            sync.mark_stale()
+            sync.sync_weights()  # the first is the warm-up: page faults, connections, arenas
+        sender_extra = sender_rss.stop()
+        receiver_extra = engine.rss_stop()
         reference.setup()
         reference.run()  # warm-up
         progress.advance(task)
         times, ref_times = [], []
         for _ in range(rounds):  # interleaved, so both see the same machine load
             sync.mark_stale()
-            sender_rss.start()
-            engine.rss_start()
             times.append(_timed(sync.sync_weights))
-            sender_extra = sender_rss.stop()
-            receiver_extra = engine.rss_stop()
             ref_times.append(reference.run())
         progress.advance(task)
         seconds, ref_seconds = min(times), min(ref_times)

@@ -186,6 +186,9 @@ class HttpReceiver:
 
             def setup(self) -> None:
                 self.request.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
+                # The answer goes out as head + body: without NODELAY, Nagle holds the body back
+                # until the trainer's delayed ACK (~40 ms per bucket).
+                self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 super().setup()
 
             def _reply(self, code: int, text: str) -> None:

@@ -132,7 +132,72 @@ def test_filesystem_keeps_the_last_k_versions(tmp_path):
     for _ in range(4):
         sync.mark_stale()
         sync.sync_weights()
+    sync.shutdown()  # old versions are removed in the background; shutdown waits for that
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v00000003", "v00000004"]
     from safetensors.torch import load_file
 
     assert torch.equal(load_file(tmp_path / "v00000004" / "bucket-00000.safetensors")["w"], torch.zeros(8))
+
+
+def test_filesystem_engine_stages_a_version_while_it_is_written(tmp_path):
+    """Bucket files are self-describing: an engine stages every bucket from the directory
+    being written, before the version is published, and ignores files of another attempt."""
+    from transports.base import TransportTimeoutError
+    from transports.filesystem import FilesystemReceiver, FilesystemSender, parse_bucket_file, published_versions
+    from transports.refit.plan import RefitPlan
+    from transports.staging import StagingArea
+
+    state = {f"w{i}": torch.randn(32, 32) for i in range(4)}
+    plan = RefitPlan.build({k: (tuple(v.shape), v.dtype) for k, v in state.items()}, wire_dtype=None,
+                           bucket_bytes=8 << 10)
+    assert plan.bucket_count >= 2
+    sender = FilesystemSender(tmp_path)
+    receiver = FilesystemReceiver(tmp_path, arena_bytes=plan.arena_bytes, timeout_s=1.0)
+    try:
+        sender.begin(5, plan.bucket_count)
+        for header, payload in plan.pack(state, version=5, attempt=2, prefetch=False):
+            sender.send(header, payload)
+        assert published_versions(tmp_path) == []  # not committed
+        first = next((tmp_path / ".tmp-v00000005").glob("bucket-*.safetensors"))
+        meta, tensors = parse_bucket_file(memoryview(first.read_bytes()))
+        assert (meta.version, meta.attempt, meta.count) == (5, 2, plan.bucket_count)
+        assert all(meta.crc[t.name] == t.checksum != 0 for t in tensors)
+
+        staging = StagingArea(plan)
+        staging.begin(5, attempt=2)
+        receiver.receive(5, staging)
+        staged = staging.finish()
+        assert all(torch.equal(staged[k], v) for k, v in state.items())
+
+        stale = StagingArea(plan)
+        stale.begin(5, attempt=3)  # a retry: attempt 2's files must not be taken for it
+        with pytest.raises(TransportTimeoutError, match="attempt 3"):
+            receiver.receive(5, stale)
+        sender.commit(5)
+        assert published_versions(tmp_path) == [5]
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_errors_cross_a_text_only_boundary_with_their_type():
+    """What `HttpEngineControl` relies on: a worker's error, described as JSON, comes back as
+    the same class naming the same tensor."""
+    import json
+
+    from transports.base import (
+        ChecksumError,
+        MissingTensorError,
+        TransportError,
+        TransportTimeoutError,
+        describe_error,
+        rebuild_error,
+    )
+
+    for error in (ChecksumError("model.norm.weight", "checksum 0x1 != sent 0x2"),
+                  MissingTensorError("lm_head.weight"), TransportTimeoutError("bucket 3", 2.5)):
+        back = rebuild_error(json.loads(json.dumps(describe_error(error))))
+        assert type(back) is type(error) and str(back) == str(error)
+    assert rebuild_error(json.loads(json.dumps(describe_error(ChecksumError("w", "bad"))))).tensor == "w"
+    other = rebuild_error(describe_error(RuntimeError("boom")))
+    assert type(other) is TransportError and "RuntimeError: boom" in str(other)

@@ -1,0 +1,199 @@
+"""Shared by the activation tests: publishing versions, reference logprobs per token version
+(full recompute, or keys/values carried across the switch), load generation and a
+hand-written fault injector around a real engine."""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Callable, Sequence
+
+import anyio
+import torch
+
+from orchestrator.engines.base import Engine, SamplingSettings
+
+PROMPTS = [[5, 17, 42, 8, 23, 11, 3, 29] * 3, [7, 7, 19, 4, 61, 2, 33, 12] * 3,
+           [9, 41, 6, 28, 14, 50, 3, 21] * 3, [12, 3, 5, 44, 8, 16, 27, 31] * 3]
+LOAD = SamplingSettings(temperature=1.0, max_tokens=420, ignore_eos=True)
+
+
+def load_checkpoint(model_dir) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for f in sorted(glob.glob(os.path.join(str(model_dir), "*.safetensors"))):
+        state.update(load_file(f))
+    return state
+
+
+def perturbed(state: dict[str, torch.Tensor], seed: int, scale: float = 0.5) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {k: (v + scale * v.std().clamp(min=0.02) * torch.randn(v.shape, generator=g)).contiguous()
+            for k, v in state.items()}
+
+
+class Publisher:
+    """The trainer side of the filesystem transport, fp32 on the wire (exact weights)."""
+
+    def __init__(self, root, base: dict[str, torch.Tensor]):
+        from transports.refit.plan import RefitPlan
+
+        self.root = str(root)
+        self.plan = RefitPlan.build({k: (tuple(v.shape), v.dtype) for k, v in base.items()}, wire_dtype=None)
+        self.plan_json = self.plan.encode().decode()
+        self.versions: dict[int, dict[str, torch.Tensor]] = {}
+
+    def publish(self, version: int, state: dict[str, torch.Tensor]) -> None:
+        from transports.filesystem import FilesystemSender
+
+        sender = FilesystemSender(self.root, keep_last=50, fsync=False)
+        sender.begin(version, self.plan.bucket_count)
+        for header, payload in self.plan.pack(state, version=version):
+            sender.send(header, payload)
+        sender.commit(version)
+        self.versions[version] = state
+
+
+class References:
+    """transformers fp32 models, one per weight version."""
+
+    def __init__(self, model_dir):
+        from transformers import AutoModelForCausalLM
+
+        self.model_dir = str(model_dir)
+        self._cls = AutoModelForCausalLM
+        self.models: dict[int, torch.nn.Module] = {}
+
+    def add(self, version: int, state: dict[str, torch.Tensor]) -> None:
+        model = self._cls.from_pretrained(self.model_dir, dtype=torch.float32).eval()
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        assert not unexpected
+        self.models[version] = model
+
+    @torch.no_grad()
+    def full(self, version: int, prompt: Sequence[int], tokens: Sequence[int]) -> list[float]:
+        """Every position computed under `version` (what `recompute` promises)."""
+        model = self.models[version]
+        ids = torch.tensor([list(prompt) + list(tokens)])
+        logits = model(ids).logits[0, len(prompt) - 1:-1].float()
+        return torch.log_softmax(logits, -1).gather(1, torch.tensor(list(tokens))[:, None])[:, 0].tolist()
+
+    def recompute(self, prompt, tokens, versions) -> list[float]:
+        per_version = {v: self.full(v, prompt, tokens) for v in set(versions)}
+        return [per_version[v][i] for i, v in enumerate(versions)]
+
+    @torch.no_grad()
+    def carried(self, prompt, tokens, versions) -> list[float]:
+        """Keys/values kept across the switch: each position was fed (and its keys/values
+        computed) under the version of the token it produced; prompt positions under that of
+        token 0."""
+        from transformers import DynamicCache
+
+        n_prompt = len(prompt)
+        seq = list(prompt) + list(tokens)
+        positions = list(range(n_prompt + len(tokens) - 1))
+        feed_version = [versions[max(0, p - n_prompt + 1)] for p in positions]
+        cache = DynamicCache()
+        logits_all = []
+        start = 0
+        while start < len(positions):
+            end = start
+            while end < len(positions) and feed_version[end] == feed_version[start]:
+                end += 1
+            model = self.models[feed_version[start]]
+            out = model(torch.tensor([seq[start:end]]), past_key_values=cache, use_cache=True,
+                        position_ids=torch.arange(start, end)[None])
+            cache = out.past_key_values
+            logits_all.append(out.logits[0].float())
+            start = end
+        logits = torch.cat(logits_all)[n_prompt - 1:]
+        return torch.log_softmax(logits, -1).gather(1, torch.tensor(list(tokens))[:, None])[:, 0].tolist()
+
+
+def max_err(a: Sequence[float], b: Sequence[float]) -> float:
+    return max((abs(x - y) for x, y in zip(a, b, strict=True)), default=0.0)
+
+
+async def under_load(fleet, activate: Callable, *, n: int = 4, min_tokens: int = 6,
+                     sampling: SamplingSettings = LOAD, engines: Sequence[str] | None = None):
+    """Continuous load: n streams of rollouts through the fleet, each starting a new rollout
+    when one ends, until `activate()` (called once every stream produced `min_tokens`)
+    returned. Returns (every completion, activate's result)."""
+    completions: list = []
+    result: dict = {}
+    done = anyio.Event()
+
+    async def stream(i: int) -> None:
+        engine_id = engines[i % len(engines)] if engines else None
+        k = 0
+        while True:
+            c = await fleet.generate(PROMPTS[(i + k) % len(PROMPTS)], sampling, engine_id=engine_id)
+            completions.append(c)
+            k += 1
+            if done.is_set() or c.status != "completed":
+                return
+
+    async with anyio.create_task_group() as tg:
+        for i in range(n):
+            tg.start_soon(stream, i)
+        with anyio.fail_after(120):
+            while sum(t.n_tokens >= min_tokens for t in fleet.tracks.values()) < n:
+                await anyio.sleep(0.005)
+        try:
+            result["value"] = await activate()
+        finally:
+            done.set()
+    return completions, result["value"]
+
+
+class FaultyEngine(Engine):
+    """Fault injection around a real engine: `hooks[name]` (an async callable taking the inner
+    engine and the call's arguments) runs instead of, or before, the real call."""
+
+    def __init__(self, inner: Engine, **hooks):
+        self.inner = inner
+        self.engine_id = inner.engine_id
+        self.hooks = hooks
+
+    async def _hooked(self, name, *args, **kwargs):
+        hook = self.hooks.get(name)
+        if hook is not None:
+            return await hook(self.inner, *args, **kwargs)
+        return await getattr(self.inner, name)(*args, **kwargs)
+
+    async def start(self):
+        await self.inner.start()
+
+    def generate(self, request_id, prompt_token_ids, sampling):
+        return self.inner.generate(request_id, prompt_token_ids, sampling)
+
+    async def abort(self, request_id):
+        await self.inner.abort(request_id)
+
+    async def pause(self, mode="keep", clear_cache=True):
+        return await self._hooked("pause", mode, clear_cache)
+
+    async def resume(self):
+        return await self._hooked("resume")
+
+    async def is_paused(self):
+        return await self.inner.is_paused()
+
+    async def healthy(self):
+        return await self.inner.healthy()
+
+    async def set_weight_version(self, version):
+        return await self._hooked("set_weight_version", version)
+
+    async def reset_prefix_cache(self):
+        return await self.inner.reset_prefix_cache()
+
+    async def collective_rpc(self, method, args=(), kwargs=None, timeout=None):
+        hook = self.hooks.get(method)
+        if hook is not None:
+            return await hook(self.inner, method, args, kwargs, timeout)
+        return await self.inner.collective_rpc(method, args=args, kwargs=kwargs, timeout=timeout)
+
+    async def shutdown(self):
+        await self.inner.shutdown()
