@@ -30,6 +30,7 @@ def register(sub, bench_sub) -> None:
     gen.add_argument("--raw", action="store_true", help="tokenize the prompt as is, without the chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object per completion")
     gen.set_defaults(func=cmd_generate)
+    __import__("orchestrator.bench_activation", fromlist=["register"]).register(bench_sub)
 
 
 def cmd_model_init(args: argparse.Namespace) -> int:

@@ -22,7 +22,8 @@ A rollout's per-token policy versions are stored as run-length change points: to
 Invariants (equal lengths, versions never decreasing, no NaN logprob) are checked in
 ``__post_init__``, which msgspec runs both when a record is built and when one is decoded,
 so every write and every read checks them. Field types are checked on write by
-``encode_record`` (an encode/decode round trip) and on read by the typed decoder.
+``encode_record_into`` (the encoded bytes decoded once against the record's shape) and on
+read by the typed decoder.
 """
 
 from __future__ import annotations

@@ -32,6 +32,10 @@ from transports.base import BucketHeader, TransportError, TransportTimeoutError,
 from transports.staging import StagingArea
 
 log = structlog.get_logger("transports.ipc")
+import time as _t, sys as _s
+def _tr(*a):
+    if os.environ.get('TRACE'): print(f'{_t.monotonic():.4f}', os.getpid(), *a, file=_s.stderr, flush=True)
+
 
 
 def _attach(name: str) -> mmap.mmap:
@@ -108,6 +112,7 @@ class IpcSender:
             self._wait_free(slot)
             self._arenas[slot][:len(payload)].copy_(torch.frombuffer(payload, dtype=torch.uint8))
         message = encode_header(header)
+        _tr('send', header.index)
         for peer in self._peers:
             self._sock.send_multipart([peer, b"bucket", bytes([slot]), message, str(len(payload)).encode(),
                                        self._handle(slot)])
@@ -136,6 +141,7 @@ class IpcSender:
             if kind == b"ack" and int(frames[2]) == index:
                 acked.add(peer)
         self._outstanding[slot] = None
+        _tr('acked', index)
 
     def commit(self, version: int) -> None:
         self._wait_free(0)
@@ -182,6 +188,7 @@ class IpcReceiver:
                 raise TransportTimeoutError(f"waiting for bucket {k} of version {version}", self.timeout_s)
             _, slot_raw, raw, length, handle = self._sock.recv_multipart()
             header = decode_header(raw)
+            _tr('rcv got', header.index)
             if not staging.is_current(header):  # left over from an abandoned attempt
                 self._sock.send_multipart([b"ack", str(header.index).encode()])
                 continue
@@ -191,6 +198,7 @@ class IpcReceiver:
             except Exception as exc:
                 self._sock.send_multipart([b"error", str(header.index).encode(), str(exc).encode()])
                 raise
+            _tr('rcv applied', header.index)
             self._sock.send_multipart([b"ack", str(header.index).encode()])
             k += 1
 

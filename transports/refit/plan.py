@@ -298,6 +298,8 @@ class RefitPlan:
     def _fill(self, k: int, state_dict, arena: torch.Tensor, version: int, kv_scales, checksums: bool,
               attempt: int = 0):
         metas = []
+        import time as _t, sys as _s, os as _o
+        if _o.environ.get('TRACE'): print(f'{_t.monotonic():.4f}', 'fill start', k, file=_s.stderr, flush=True)
         view = memoryview(arena.numpy())
         for entry in self.by_bucket[k]:
             source = state_dict.get(entry.source)
@@ -311,6 +313,7 @@ class RefitPlan:
             crc = checksum(view[entry.offset:entry.offset + entry.nbytes]) if checksums else 0
             metas.append(TensorMeta(entry.name, entry.shape, entry.wire_dtype, entry.offset, entry.nbytes, crc))
         nbytes = self.bucket_nbytes[k]
+        if _o.environ.get('TRACE'): print(f'{_t.monotonic():.4f}', 'fill end', k, file=_s.stderr, flush=True)
         header = BucketHeader(version, k, self.bucket_count, nbytes, tuple(metas), checksums,
                               kv_scales if k == 0 else None, attempt)
         return header, view[:nbytes]
