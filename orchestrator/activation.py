@@ -600,8 +600,7 @@ class ActivationCoordinator:
             transfer = max(0.0, (r.staged_at or at) - self.started_at) if r.staged_at else 0.0
             pause = max(0.0, (r.resumed_at or at) - r.paused_at) if r.paused_at is not None else 0.0
             engines.append(EngineOutcome(e, eo, transfer, pause, dict(r.requests)))
-        carried = (self.kv_policy == "keep" or (not self.pauses and self.kv_policy != "abort")) and \
-            outcome in (ACTIVATED, ENGINE_FENCED)
+        carried = self.kv_policy == "keep" and outcome in (ACTIVATED, ENGINE_FENCED)
         record = Record(None, version=self.version if self.version is not None else -1, outcome=outcome,
                         engines=tuple(engines), strategy=self.strategy, kv_policy=self.kv_policy,
                         kv_carried=carried, message=message, at=at)

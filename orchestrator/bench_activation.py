@@ -44,7 +44,18 @@ def register(bench_sub) -> None:
 def bench_command(args: argparse.Namespace) -> int:
     import anyio
 
-    result = anyio.run(run_bench, args)
+    import sys
+
+    # vLLM and its engine processes log to stdout: keep it for the result alone.
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        result = anyio.run(run_bench, args)
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
     if args.json:
         print(json.dumps(result, indent=2))
     else:
@@ -125,8 +136,8 @@ class _Timed:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def generate(self, *args):
-        return self.inner.generate(*args)
+    def generate(self, *args, **kwargs):
+        return self.inner.generate(*args, **kwargs)
 
     async def pause(self, mode="keep", clear_cache=True):
         self.pause_requested = time.monotonic()

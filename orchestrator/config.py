@@ -51,6 +51,58 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return self
 
 
+class ActivationConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """How a staged version becomes live on the fleet (docs/activation.md)."""
+
+    # pause_swap: copy staged weights in during a pause; double_buffer: flip to a second,
+    # engine-ready copy during a pause; pause_free: that flip between two engine steps.
+    strategy: Literal["pause_swap", "double_buffer", "pause_free"] = "pause_swap"
+    # What happens to requests in flight at the swap.
+    kv_policy: Literal["recompute", "keep", "drain", "abort"] = "recompute"
+    stage_s: float = 120.0
+    drain_s: float = 30.0
+    pause_s: float = 30.0
+    swap_s: float = 60.0
+    resume_s: float = 30.0
+    rejoin_s: float = 180.0
+
+    def validate(self) -> ActivationConfig:
+        for name in ("stage_s", "drain_s", "pause_s", "swap_s", "resume_s", "rejoin_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"activation.{name}", f"must be > 0, got {getattr(self, name)}")
+        if self.strategy == "pause_free" and self.kv_policy == "recompute":
+            # Recomputing in-flight keys/values needs the engine paused; the flip has no pause.
+            raise ConfigError("activation.kv_policy",
+                              "recompute needs a pause; with strategy pause_free use keep, drain or abort")
+        return self
+
+    def timeouts(self):
+        from orchestrator.activation import PhaseTimeouts
+
+        return PhaseTimeouts(stage_s=self.stage_s, drain_s=self.drain_s, pause_s=self.pause_s,
+                             swap_s=self.swap_s, resume_s=self.resume_s, rejoin_s=self.rejoin_s)
+
+
+class RunConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A TOML config file: `[engine]` and `[activation]` tables (more to come with `inflight run`)."""
+
+    engine: EngineConfig = EngineConfig()
+    engines: int = 1
+    activation: ActivationConfig = ActivationConfig()
+
+    def validate(self) -> RunConfig:
+        if self.engines < 1:
+            raise ConfigError("engines", f"must be >= 1, got {self.engines}")
+        self.engine.validate()
+        self.activation.validate()
+        return self
+
+
+def load_config(path: str | Path) -> RunConfig:
+    """Read and validate a TOML config; errors name the field, e.g. `activation.kv_policy`."""
+    return convert(_load_toml(Path(path)), RunConfig, "").validate()
+
+
 def _load_toml(path: Path) -> dict:
     if not path.is_file():
         raise ConfigError(str(path), "config file does not exist")
@@ -74,4 +126,5 @@ def convert(data: object, type_: type, where: str):
         raise ConfigError(field or "config", message) from None
 
 
-__all__ = ["EngineConfig", "SamplingSettings", "ConfigError", "convert", "_load_toml"]
+__all__ = ["ActivationConfig", "ConfigError", "EngineConfig", "RunConfig", "SamplingSettings",
+           "convert", "load_config"]

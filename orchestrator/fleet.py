@@ -49,6 +49,11 @@ def fleet_request_id(worker_request_id: str) -> str:
     return head if sep else rid
 
 
+def version_salt(version: int) -> str:
+    """Prefix-cache salt of requests dispatched under `version`."""
+    return f"inflight-v{version}"
+
+
 @dataclass
 class Track:
     request_id: str
@@ -109,8 +114,15 @@ class Fleet:
         self._rr = itertools.count()
         self._gates: dict[str, anyio.Event] = {}  # engines not admitting new requests (drain)
         self._paused: set[str] = set()
-        self._attempt = 0
+        self._stage_source: dict = {}
         self.last_stall: dict[str, float] = {}
+
+    @classmethod
+    def from_config(cls, engines: Sequence[Engine], config, **kwargs) -> Fleet:
+        """A fleet whose strategy, KV policy and phase timeouts come from an ActivationConfig."""
+        config.validate()
+        return cls(engines, strategy=config.strategy, kv_policy=config.kv_policy,
+                   timeouts=config.timeouts(), **kwargs)
 
     # -- set-up ------------------------------------------------------------------------------
     @property
@@ -186,7 +198,11 @@ class Fleet:
         try:
             with anyio.CancelScope() as scope:
                 track.cancel = scope
-                async for chunk in engine.generate(rid, prompt_token_ids, sampling):
+                # Salted with the dispatched version: a new request never reuses keys/values
+                # cached under older weights, even where vLLM cannot reset the prefix cache
+                # (blocks held by running requests under `keep` or the pause-free flip).
+                async for chunk in engine.generate(rid, prompt_token_ids, sampling,
+                                                   cache_salt=version_salt(track.dispatched_version)):
                     tokens.extend(chunk.token_ids)
                     logprobs.extend(chunk.logprobs)
                     track.n_tokens = len(tokens)
@@ -244,9 +260,12 @@ class Fleet:
         self.replay_log.append(record)
 
     # -- activation --------------------------------------------------------------------------
-    async def activate(self, version: int, *, rollback: bool = False) -> act.Record:
-        """Drive one activation to its record. Never leaves an engine paused."""
+    async def activate(self, version: int, *, rollback: bool = False, source: dict | None = None) -> act.Record:
+        """Drive one activation to its record. Never leaves an engine paused. `source` goes to
+        the workers' `swap_stage` (e.g. {"base_dir": ..., "lora_dir": ...} for a LoRA adapter);
+        by default each stages `version` from the filesystem transport."""
         coord = self.coordinator
+        self._stage_source = dict(source or {})
         send, recv = anyio.create_memory_object_stream[act.Event](1000)
         record: act.Record | None = None
         try:
@@ -360,8 +379,7 @@ class Fleet:
             track = self.tracks.get(rid)
             if track is not None and track.engine == engine_id:
                 track.switches.append((k, version))
-                track.kv_mode = "keep" if (self.coordinator.kv_policy == "keep" or self.strategy == "pause_free") \
-                    else "recompute"
+                track.kv_mode = self.coordinator.kv_policy
 
     async def _stage(self, engine: Engine, a: act.Stage) -> act.Event:
         if a.rollback:
@@ -370,8 +388,8 @@ class Fleet:
                 return act.StageFailed(engine.engine_id, time.monotonic(), version=a.version,
                                        error="no previous version to roll back to")
             return act.Staged(engine.engine_id, time.monotonic(), version=a.version)
-        self._attempt += 1
-        await self._rpc(engine, "swap_stage", json.dumps({"version": a.version, "attempt": 0}))
+        source = self._stage_source if a.engine not in self.coordinator.rejoining else {}
+        await self._rpc(engine, "swap_stage", json.dumps({**source, "version": a.version, "attempt": 0}))
         while True:
             status = await self._rpc(engine, "swap_status")
             if status.get("version") == a.version and status.get("state") == "staged":
@@ -415,7 +433,8 @@ class Fleet:
         self.replay_log.append(ActivationRecord(
             version=record.version, outcome=record.outcome,
             engines=[EngineActivation(eo.engine, eo.transfer_s, eo.pause_s, eo.outcome) for eo in record.engines],
-            activated_at=time.time(), message=record.message[:1000]))
+            activated_at=time.time(), message=record.message[:1000], strategy=record.strategy,
+            kv_policy=record.kv_policy, kv_carried=record.kv_carried))
 
     async def rejoin(self, engine_id: str) -> bool:
         """Re-sync a fenced engine to the live version; True when it serves again."""

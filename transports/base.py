@@ -221,7 +221,10 @@ class BucketSender(Protocol):
     def begin(self, version: int, bucket_count: int) -> None: ...
 
     def send(self, header: BucketHeader, payload: memoryview) -> None:
-        """Moves one bucket. Returns once `payload` may be overwritten."""
+        """Moves one bucket. Returns once `payload` may be overwritten; a sender with a class
+        attribute `in_flight = n` returns earlier, while it may still read the last n payloads
+        (the synchronizer then packs with `hold=n`, so they stay intact), and `commit` waits
+        for them."""
 
     def commit(self, version: int) -> None:
         """All buckets of `version` have been sent; publish them (where the transport needs to)."""

@@ -6,8 +6,15 @@ group): the trainer hosts a `TCPStore`, every rank builds `ProcessGroupGloo` (NC
 it. Every wait has a timeout: a peer that never joins fails the rendezvous, a peer that stalls
 mid-transfer fails the broadcast, both as `TransportTimeoutError`, never a hang.
 
-Per bucket, three broadcasts: the sizes (int64 [2]), the msgpack header, the payload.
-Only this transport forwards `kv_scales` (in the header of bucket 0).
+One broadcast per bucket: the payload followed by a fixed `HEADER_RESERVE`-byte trailer
+(payload length, header length, the msgpack header). Both sides know the payload size of
+bucket k from the refit plan, so no size or header round trip precedes the payload; a header
+too large for the trailer (a long `kv_scales`) follows in a second broadcast, announced by the
+trailer. The trainer packs into its own arenas (with room for the trailer) and starts the
+broadcast of bucket k without waiting for it: `send(k)` returns once bucket k-1's broadcast
+completed (`plan.pack(..., hold=1)` keeps bucket k's arena untouched meanwhile), so gloo moves
+bucket k while bucket k+1 is packed. Only this transport forwards `kv_scales` (in the header of
+bucket 0).
 """
 
 from __future__ import annotations
@@ -47,24 +54,50 @@ class _Group:
                                             timeout_s) from exc
             raise TransportError(f"forming the weight group (rank {rank} of {world_size}): {exc}") from exc
 
-    def broadcast(self, tensor: torch.Tensor, what: str) -> None:
+    def start_broadcast(self, tensor: torch.Tensor, what: str) -> Any:
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         opts.timeout = self.timeout
         try:
-            work = self.pg.broadcast([tensor], opts)
+            return self.pg.broadcast([tensor], opts)
+        except Exception as exc:
+            raise self._error(exc, what) from exc
+
+    def wait(self, work: Any, what: str) -> None:
+        try:
             work.wait(self.timeout)
         except Exception as exc:
-            if _is_timeout(exc):
-                raise TransportTimeoutError(f"broadcast of {what}", self.timeout_s) from exc
-            raise TransportError(f"broadcast of {what} failed: {exc}") from exc
+            raise self._error(exc, what) from exc
+
+    def broadcast(self, tensor: torch.Tensor, what: str) -> None:
+        self.wait(self.start_broadcast(tensor, what), what)
+
+    def _error(self, exc: Exception, what: str) -> TransportError:
+        if _is_timeout(exc):
+            return TransportTimeoutError(f"broadcast of {what}", self.timeout_s)
+        return TransportError(f"broadcast of {what} failed: {exc}")
+
+
+HEADER_RESERVE = 16 << 10  # trailer bytes after every bucket's payload
+_TRAILER = 16  # two little-endian u64: payload length, header length
+
+
+def _trailer(payload_len: int, header: bytes) -> tuple[bytes, bytes | None]:
+    """The trailer bytes, and the header to broadcast separately when it does not fit."""
+    fits = len(header) <= HEADER_RESERVE - _TRAILER
+    lengths = payload_len.to_bytes(8, "little") + len(header).to_bytes(8, "little")
+    return (lengths + header, None) if fits else (lengths, header)
 
 
 class CollectiveSender:
-    """Rank 0. `engine_workers`: ranks 1..engine_workers are the engines' workers."""
+    """Rank 0. `engine_workers`: ranks 1..engine_workers are the engines' workers.
+    `arena_bytes` (the plan's): the refit plan packs straight into this sender's arenas."""
+
+    #: `send(k)` returns while bucket k is still being broadcast (see the module docstring).
+    in_flight = 1
 
     def __init__(self, *, engine_workers: int, workers_per_engine: int = 1, host: str = "127.0.0.1",
-                 port: int = 0, timeout_s: float = 60.0):
+                 port: int = 0, timeout_s: float = 60.0, arena_bytes: int | None = None):
         if engine_workers < 1:
             raise TransportError("the collective transport needs at least one engine worker")
         self.world_size = 1 + engine_workers
@@ -76,7 +109,14 @@ class CollectiveSender:
                                    timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
         self.port = self.store.port
         self.group: _Group | None = None
-        self._sizes = torch.zeros(2, dtype=torch.int64)
+        size = (arena_bytes or 0) + HEADER_RESERVE
+        self._arenas = [torch.empty(size, dtype=torch.uint8) for _ in range(2)] if arena_bytes else None
+        self._buffers: list[torch.Tensor | None] = [None, None]  # for payloads not packed in place
+        self._pending: list[tuple[int, list[Any], str]] = []  # (bucket index, works, what), oldest first
+
+    def arenas(self) -> list[torch.Tensor] | None:
+        """Where the refit plan packs (each with room for the trailer); None: packed elsewhere."""
+        return self._arenas
 
     def engine_init_info(self, engine_index: int) -> dict[str, Any]:
         return {"host": self.host, "port": self.port, "world_size": self.world_size,
@@ -89,22 +129,63 @@ class CollectiveSender:
     def begin(self, version: int, bucket_count: int) -> None:
         if self.group is None:
             raise TransportError("init_communicator() was not called: no weight group")
+        self._pending = []
+
+    def _buffer_for(self, slot: int, payload: memoryview, size: int) -> torch.Tensor:
+        """The tensor broadcast for this bucket: the arena the payload was packed into, or a
+        buffer of this sender's (reused) that it is copied into."""
+        if self._arenas is not None:
+            arena = self._arenas[slot]
+            if len(payload) and _address(payload) == arena.data_ptr() and arena.numel() >= size:
+                return arena
+        buffer = self._buffers[slot]
+        if buffer is None or buffer.numel() < size:
+            buffer = self._buffers[slot] = torch.empty(size, dtype=torch.uint8)
+        if len(payload):
+            buffer[:len(payload)].copy_(torch.frombuffer(payload, dtype=torch.uint8))
+        return buffer
 
     def send(self, header: BucketHeader, payload: memoryview) -> None:
         assert self.group is not None
-        raw = encode_header(header)
-        self._sizes[0], self._sizes[1] = len(raw), len(payload)
         what = f"bucket {header.index} of version {header.version}"
-        self.group.broadcast(self._sizes, what)
-        self.group.broadcast(torch.frombuffer(bytearray(raw), dtype=torch.uint8), what)
-        if len(payload):
-            self.group.broadcast(torch.frombuffer(payload, dtype=torch.uint8), what)
+        if header.index == 0:
+            self._pending = []
+        if len(payload) > header.nbytes:
+            raise TransportError(f"{what}: {len(payload)} payload bytes, the header announces {header.nbytes}")
+        trailer, extra = _trailer(len(payload), encode_header(header))
+        size = header.nbytes + HEADER_RESERVE
+        buffer = self._buffer_for(header.index % 2, payload, size)
+        buffer[header.nbytes:header.nbytes + len(trailer)].copy_(torch.frombuffer(bytearray(trailer), dtype=torch.uint8))
+        works = [self.group.start_broadcast(buffer[:size], what)]
+        if extra is not None:
+            works.append(self.group.start_broadcast(torch.frombuffer(bytearray(extra), dtype=torch.uint8), what))
+        self._pending.append((header.index, works, what))
+        # Bucket k-1's arena is refilled (with bucket k+1) as soon as this returns.
+        while len(self._pending) > self.in_flight:
+            self._finish_oldest()
+
+    def _finish_oldest(self) -> None:
+        assert self.group is not None
+        _, works, what = self._pending.pop(0)
+        for work in works:
+            self.group.wait(work, what)
 
     def commit(self, version: int) -> None:
-        pass
+        while self._pending:
+            self._finish_oldest()
 
     def close(self) -> None:
+        self._pending = []
         self.group = None
+
+
+def _address(view: memoryview) -> int:
+    import numpy as np
+
+    try:
+        return np.frombuffer(view, dtype=np.uint8).__array_interface__["data"][0]
+    except (ValueError, TypeError):
+        return -1
 
 
 class CollectiveReceiver:
@@ -119,38 +200,42 @@ class CollectiveReceiver:
                 raise TransportTimeoutError(f"reaching the trainer's store at {host}:{port}", timeout_s) from exc
             raise TransportError(f"reaching the trainer's store at {host}:{port}: {exc}") from exc
         self.group = _Group(store, rank, world_size, timeout_s)
-        self._arenas = [torch.empty(max(arena_bytes, 1), dtype=torch.uint8) for _ in range(2)]
-        self._sizes = torch.zeros(2, dtype=torch.int64)
+        self._arenas = [torch.empty(max(arena_bytes, 0) + HEADER_RESERVE, dtype=torch.uint8) for _ in range(2)]
 
     def receive(self, version: int, staging: StagingArea) -> None:
         """A rejected bucket does not end the loop: the rest of the version is still received
         (and dropped) so the trainer's broadcasts complete, then the error is raised."""
+        plan = staging.plan
         pipe = ReplayPipeline(staging, arenas=2, timeout_s=self.timeout_s)
         error: TransportError | None = None
         try:
-            k, count = 0, None
-            while count is None or k < count:
+            for k in range(plan.bucket_count):
                 what = f"bucket {k} of version {version}"
-                self.group.broadcast(self._sizes, what)
-                header_len, payload_len = int(self._sizes[0]), int(self._sizes[1])
-                raw = torch.empty(header_len, dtype=torch.uint8)
-                self.group.broadcast(raw, what)
-                header = decode_header(raw.numpy().tobytes())
-                count = header.count
+                nbytes = plan.bucket_nbytes[k]
                 slot = k % 2
                 if error is None:
                     try:
                         pipe.acquire(k)  # the arena's previous replay must be done before reuse
                     except TransportError as exc:
                         error = exc
+                if nbytes + HEADER_RESERVE > self._arenas[slot].numel():
+                    self._arenas[slot] = torch.empty(nbytes + HEADER_RESERVE, dtype=torch.uint8)
                 arena = self._arenas[slot]
-                if payload_len > arena.numel():
-                    raise TransportError(f"{what}: {payload_len} bytes exceed the arena ({arena.numel()})")
-                if payload_len:
-                    self.group.broadcast(arena[:payload_len], what)
+                self.group.broadcast(arena[:nbytes + HEADER_RESERVE], what)
+                trailer = arena[nbytes:nbytes + HEADER_RESERVE].numpy()
+                payload_len = int.from_bytes(trailer[:8].tobytes(), "little")
+                header_len = int.from_bytes(trailer[8:_TRAILER].tobytes(), "little")
+                if header_len <= HEADER_RESERVE - _TRAILER:
+                    raw = trailer[_TRAILER:_TRAILER + header_len].tobytes()
+                else:
+                    extra = torch.empty(header_len, dtype=torch.uint8)
+                    self.group.broadcast(extra, what)
+                    raw = extra.numpy().tobytes()
+                header = decode_header(raw)
+                if payload_len > nbytes:
+                    raise TransportError(f"{what}: {payload_len} payload bytes, the plan has {nbytes}")
                 if error is None:
                     pipe.submit(slot, header, memoryview(arena.numpy())[:payload_len])
-                k += 1
             if error is None:
                 pipe.drain()
         except TransportError as exc:

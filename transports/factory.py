@@ -183,7 +183,8 @@ def _make_sender(name: str, *, plan: RefitPlan, engines: int, train_cluster: Tra
         cluster = train_cluster or TrainCluster()
         workers = inference_world_size or engines
         return CollectiveSender(engine_workers=workers, workers_per_engine=max(1, workers // max(1, engines)),
-                                host=cluster.host, port=cluster.port, timeout_s=timeout_s)
+                                host=cluster.host, port=cluster.port, timeout_s=timeout_s,
+                                arena_bytes=plan.arena_bytes if device == "cpu" else None)
     if name == "ipc":
         from transports.ipc import IpcSender
 

@@ -9,8 +9,10 @@ bucket streams in. A body shorter than announced is staged as-is and reported as
 bucket naming the first tensor cut off.
 
 The sender speaks HTTP/1.1 itself over one kept-alive socket per engine: the request head, then
-`sendall` straight from the packed arena (no copy into an HTTP library's buffers), then the
-short answer. Every socket operation has the sender's timeout.
+`sendall` straight from the packed arena (no copy into an HTTP library's buffers). Requests are
+pipelined one deep: bucket k+1 is written before the answer to bucket k is read, so the socket
+never idles for a round trip between buckets (`plan.pack(..., hold=1)` keeps bucket k's arena
+intact until its answer came). Every socket operation has the sender's timeout.
 """
 
 from __future__ import annotations
@@ -49,15 +51,20 @@ class _Connection:
         self._buffer = bytearray()
 
     def request(self, method: str, path: str, headers: dict[str, str], body: memoryview | None) -> tuple[int, bytes]:
+        self.send_request(method, path, headers, body)
+        return self.response()
+
+    def send_request(self, method: str, path: str, headers: dict[str, str], body: memoryview | None) -> None:
+        """Writes one request; its answer is read by a later `response()` (answers come in
+        request order, so requests may be pipelined)."""
         length = len(body) if body is not None else 0
         head = [f"{method} {path} HTTP/1.1", f"Host: {self.host}:{self.port}", f"Content-Length: {length}"]
         head += [f"{k}: {v}" for k, v in headers.items()]
         self.sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode("latin-1"))
         if length:
             self.sock.sendall(body)
-        return self._response()
 
-    def _response(self) -> tuple[int, bytes]:
+    def response(self) -> tuple[int, bytes]:
         while (end := self._buffer.find(b"\r\n\r\n")) < 0:
             if len(self._buffer) > _MAX_HEAD:
                 raise TransportError(f"http://{self.host}:{self.port}: answer head over {_MAX_HEAD} bytes")
@@ -93,10 +100,16 @@ class _Connection:
 
 
 class HttpSender:
+    #: `send(k)` returns once bucket k is written, before the engine's answer to it: the answer
+    #: is read after bucket k+1 was written (HTTP/1.1 pipelining), so the wire never idles for
+    #: a round trip between buckets. `commit()` reads the last answers.
+    in_flight = 1
+
     def __init__(self, *, endpoints: list[tuple[str, int]], timeout_s: float = 60.0):
         self.endpoints = endpoints
         self.timeout_s = timeout_s
         self._connections: dict[tuple[str, int], _Connection] = {}
+        self._unanswered: list[tuple[int, str]] = []  # (bucket index, what) whose answers are unread
 
     def engine_init_info(self, engine_index: int) -> dict[str, Any]:
         host, port = self.endpoints[engine_index]
@@ -117,23 +130,42 @@ class HttpSender:
                     time.sleep(0.05)
 
     def begin(self, version: int, bucket_count: int) -> None:
-        pass
+        if self._unanswered:  # a failed version left answers unread: start on fresh connections
+            self._unanswered = []
+            for key in list(self._connections):
+                self._drop(key)
 
     def send(self, header: BucketHeader, payload: memoryview) -> None:
         meta = base64.b64encode(encode_header(header)).decode()
         headers = {HEADER: meta, "Content-Type": "application/octet-stream"}
         for host, port in self.endpoints:
-            self._request(host, port, "PUT", BUCKET_PATH, payload, headers)
+            self._io(host, port, "PUT", BUCKET_PATH,
+                     lambda conn: conn.send_request("PUT", BUCKET_PATH, headers, payload))
+        self._unanswered.append((header.index, f"bucket {header.index}"))
+        while len(self._unanswered) > self.in_flight:
+            self._read_answers()
+
+    def _read_answers(self) -> None:
+        """Reads every engine's answer to the oldest unanswered bucket."""
+        self._unanswered.pop(0)
+        for host, port in self.endpoints:
+            self._check(host, port, "PUT", BUCKET_PATH, self._io(host, port, "PUT", BUCKET_PATH,
+                                                                 lambda conn: conn.response()))
 
     def _request(self, host: str, port: int, method: str, path: str, body: memoryview | None,
                  headers: dict[str, str]) -> None:
+        status_text = self._io(host, port, method, path, lambda conn: conn.request(method, path, headers, body))
+        self._check(host, port, method, path, status_text)
+
+    def _io(self, host: str, port: int, method: str, path: str, call):
+        """Runs `call(connection)` with every failure a `TransportError` (timeouts typed)."""
         url = f"http://{host}:{port}{path}"
         key = (host, port)
         try:
             conn = self._connections.get(key)
             if conn is None:
                 conn = self._connections[key] = _Connection(host, port, self.timeout_s)
-            status, text = conn.request(method, path, headers, body)
+            return call(conn)
         except TimeoutError as exc:  # socket.timeout
             self._drop(key)
             raise TransportTimeoutError(f"{method} {url}", self.timeout_s) from exc
@@ -143,9 +175,12 @@ class HttpSender:
         except TransportError:
             self._drop(key)
             raise
+
+    def _check(self, host: str, port: int, method: str, path: str, status_text) -> None:
+        status, text = status_text
         if status != 200:
-            self._drop(key)  # the engine may not have read the body: start afresh
-            raise TransportError(f"{method} {url}: {status} {text.decode(errors='replace')}")
+            self._drop((host, port))  # the engine may not have read the body: start afresh
+            raise TransportError(f"{method} http://{host}:{port}{path}: {status} {text.decode(errors='replace')}")
 
     def _drop(self, key: tuple[str, int]) -> None:
         conn = self._connections.pop(key, None)
@@ -153,11 +188,20 @@ class HttpSender:
             conn.close()
 
     def commit(self, version: int) -> None:
-        pass
+        while self._unanswered:
+            self._read_answers()
 
     def close(self) -> None:
+        self._unanswered = []
         for key in list(self._connections):
             self._drop(key)
+
+
+class _Short(Exception):
+    """The request body ended (or stalled) `got` bytes into the current read."""
+
+    def __init__(self, got: int):
+        self.got = got
 
 
 class HttpReceiver:
@@ -168,6 +212,7 @@ class HttpReceiver:
         self._next_slot = 0
         self._slot_lock = threading.Lock()
         self._arrived: queue.Queue = queue.Queue()
+        self._staging: StagingArea | None = None  # the version being received, for `landing`
         self._server = ThreadingHTTPServer((host, port), self._handler())
         self._server.daemon_threads = True
         self.port = self._server.server_address[1]
@@ -218,18 +263,46 @@ class HttpReceiver:
                 if length > len(arena):
                     receiver._free[slot].release()
                     return self._reply(413, f"{length} bytes exceed the arena ({len(arena)})")
+                # Tensors the staging area can take as they are are read straight into their
+                # staging tensors (no copy out of the arena later); the rest, and the padding
+                # between tensors, into the arena at their offsets.
+                staging = receiver._staging
+                landed = staging.landing(header) if staging is not None else {}
+                spans, kept = [], {}
+                for m in sorted(header.tensors, key=lambda m: m.offset):
+                    flat = landed.get(m.name)
+                    if (flat is not None and m.name not in kept and m.offset >= (spans[-1][1] if spans else 0)
+                            and m.offset + m.nbytes <= length):
+                        spans.append((m.offset, m.offset + m.nbytes, flat))
+                        kept[m.name] = flat
+                landed = kept  # anything else (overlapping spans of a malformed header) via the arena
                 got = 0
                 self.connection.settimeout(receiver.timeout_s)
                 try:
-                    while got < length:
-                        n = self.rfile.readinto(arena[got:length])
-                        if not n:
-                            break
-                        got += n
+                    for start, end, flat in [*spans, (length, length, None)]:
+                        self._read_into(arena[got:start])
+                        got = start
+                        if flat is not None:
+                            self._read_into(memoryview(flat.numpy()))
+                            got = end
+                except _Short as short:
+                    got += short.got
                 except OSError:
                     pass  # a stalled or vanished sender: stage what arrived, staging names the cut
-                receiver._arrived.put((slot, header, arena[:got]))
+                receiver._arrived.put((slot, header, arena[:got], landed))
                 self._reply(200, "queued")
+
+            def _read_into(self, view: memoryview) -> None:
+                """Fills `view` from the body; raises `_Short` (bytes read) if the body ends first."""
+                filled = 0
+                while filled < len(view):
+                    try:
+                        n = self.rfile.readinto(view[filled:])
+                    except OSError:
+                        raise _Short(filled) from None
+                    if not n:
+                        raise _Short(filled)
+                    filled += n
 
         return Handler
 
@@ -246,11 +319,12 @@ class HttpReceiver:
         (and dropped) so the trainer's requests complete, then the error is raised."""
         pipe = ReplayPipeline(staging, arenas=1, timeout_s=self.timeout_s)
         error: TransportError | None = None
+        self._staging = staging
         try:
             k, count = 0, None
             while count is None or k < count:
                 try:
-                    slot, header, payload = self._arrived.get(timeout=self.timeout_s)
+                    slot, header, payload, landed = self._arrived.get(timeout=self.timeout_s)
                 except queue.Empty as exc:
                     raise TransportTimeoutError(f"waiting for bucket {k} of version {version}", self.timeout_s) from exc
                 if not staging.is_current(header):
@@ -263,7 +337,7 @@ class HttpReceiver:
                     except TransportError as exc:
                         error = exc
                 if error is None:
-                    pipe.submit(0, header, payload, after=self._free[slot].release)
+                    pipe.submit(0, header, payload, after=self._free[slot].release, landed=landed)
                 else:
                     self._free[slot].release()
                 k += 1
@@ -272,6 +346,7 @@ class HttpReceiver:
         except TransportError as exc:
             error = error or exc
         finally:
+            self._staging = None
             pipe.close()
         if error is not None:
             self._drop_queued()
@@ -281,7 +356,7 @@ class HttpReceiver:
         """After a failed version, free arenas still holding its buckets."""
         while True:
             try:
-                slot, _, _ = self._arrived.get_nowait()
+                slot, _, _, _ = self._arrived.get_nowait()
             except queue.Empty:
                 return
             self._free[slot].release()

@@ -1,9 +1,12 @@
 """IPC transport for colocated engines: two shared-memory arenas, reused across versions.
 
-The trainer packs bucket k straight into arena k % 2 (no extra copy) and announces it over
-ZMQ; each engine replays it out of shared memory and acknowledges. While an engine applies
-bucket k the trainer's packing thread is already writing bucket k+1 into the other arena; an
-arena is handed back to the packer only after every engine acknowledged it (with a timeout).
+The trainer packs bucket k straight into arena k % 2 (that write is the only sender-side copy)
+and announces it over ZMQ as soon as it is packed; each engine replays it out of shared memory
+(the second and last copy) and acknowledges. `send(k)` returns once every engine acknowledged
+bucket k-1, not k: so while an engine applies bucket k, the next announcement is already
+queued for it, and the trainer's packing thread writes bucket k+1 into the other arena
+(`plan.pack(..., hold=1)`: an arena is refilled only once its bucket was acknowledged, every
+wait bounded by the timeout).
 
 On a GPU the same flow carries CUDA IPC handles of device arenas instead of shared-memory
 names (`torch.multiprocessing.reductions.reduce_tensor`); see `test_gpu_*` tests.
@@ -11,7 +14,7 @@ names (`torch.multiprocessing.reductions.reduce_tensor`); see `test_gpu_*` tests
 Messages (ZMQ ROUTER on the trainer, one DEALER per engine), all multipart:
     engine  -> trainer   [b"hello"]                       once, after connecting
     trainer -> engine    [b"bucket", slot, header, length, cuda_handle]   bucket in arena `slot`
-    engine  -> trainer   [b"ack", index] | [b"error", index, message]
+    engine  -> trainer   [b"ack", index, attempt] | [b"error", index, message, attempt]
 """
 
 from __future__ import annotations
@@ -32,10 +35,6 @@ from transports.base import BucketHeader, TransportError, TransportTimeoutError,
 from transports.staging import StagingArea
 
 log = structlog.get_logger("transports.ipc")
-import time as _t, sys as _s
-def _tr(*a):
-    if os.environ.get('TRACE'): print(f'{_t.monotonic():.4f}', os.getpid(), *a, file=_s.stderr, flush=True)
-
 
 
 def _attach(name: str) -> mmap.mmap:
@@ -68,7 +67,12 @@ class IpcSender:
             # Named segments created once and reused for every version: no per-version mmap churn.
             self._shm = [shared_memory.SharedMemory(create=True, size=size) for _ in range(2)]
             self._arenas = [torch.frombuffer(s.buf, dtype=torch.uint8, count=size) for s in self._shm]
-        self._outstanding: list[int | None] = [None, None]  # bucket index held by each arena
+        self._acked: dict[bytes, int] = {}  # per engine: the highest bucket acknowledged this attempt
+        self._attempt = 0
+        self._sent = -1  # the highest bucket announced this attempt
+
+    #: `send(k)` returns while the engines may still read bucket k (see the module docstring).
+    in_flight = 1
 
     def arenas(self) -> list[torch.Tensor]:
         """The refit plan packs into these directly."""
@@ -95,7 +99,8 @@ class IpcSender:
     def begin(self, version: int, bucket_count: int) -> None:
         if len(self._peers) < self.engines:
             raise TransportError("init_communicator() was not called: engines are not connected")
-        self._outstanding = [None, None]
+        self._acked = {peer: -1 for peer in self._peers}
+        self._sent = -1
 
     def _slot_of(self, payload: memoryview) -> int:
         for slot, arena in enumerate(self._arenas):
@@ -106,20 +111,24 @@ class IpcSender:
         return -1
 
     def send(self, header: BucketHeader, payload: memoryview) -> None:
+        if header.index == 0 or header.attempt != self._attempt:
+            self._attempt = header.attempt
+            self._acked = {peer: -1 for peer in self._peers}
+            self._sent = -1
         slot = header.index % 2
         if self._slot_of(payload) != slot:
-            # Not packed in place (e.g. a caller with its own buffers): copy into the arena.
-            self._wait_free(slot)
+            # Not packed in place (e.g. a caller with its own buffers): copy into the arena once
+            # the bucket it held (k-2) was applied everywhere.
+            self._wait_acked(header.index - 2)
             self._arenas[slot][:len(payload)].copy_(torch.frombuffer(payload, dtype=torch.uint8))
         message = encode_header(header)
-        _tr('send', header.index)
         for peer in self._peers:
             self._sock.send_multipart([peer, b"bucket", bytes([slot]), message, str(len(payload)).encode(),
                                        self._handle(slot)])
-        self._outstanding[slot] = header.index
-        # The packer refills this arena as soon as the next bucket is asked for, so it must be
-        # free when send() returns; meanwhile the packer is already filling the other arena.
-        self._wait_free(slot)
+        self._sent = header.index
+        # The packer refills the other arena (bucket k-1's) with bucket k+1 as soon as this
+        # returns; bucket k's arena is left alone until send(k+1) saw bucket k acknowledged.
+        self._wait_acked(header.index - 1)
 
     def _handle(self, slot: int) -> bytes:
         if self.device.type != "cuda":
@@ -128,24 +137,23 @@ class IpcSender:
 
         return pickle.dumps(reduce_tensor(self._arenas[slot]))
 
-    def _wait_free(self, slot: int) -> None:
-        index = self._outstanding[slot]
-        if index is None:
+    def _wait_acked(self, index: int) -> None:
+        """Until every engine acknowledged bucket `index` of the current attempt (acks arrive
+        in order per engine; those of an abandoned attempt are ignored)."""
+        if index < 0:
             return
-        acked: set[bytes] = set()
-        while len(acked) < len(self._peers):
+        while min(self._acked.values(), default=index) < index:
             frames = self._recv(f"engines to apply bucket {index}")
             peer, kind = frames[0], frames[1]
             if kind == b"error":
+                if len(frames) > 4 and int(frames[4]) != self._attempt:
+                    continue  # an engine's late answer to an abandoned attempt
                 raise TransportError(f"engine failed on bucket {int(frames[2])}: {frames[3].decode()}")
-            if kind == b"ack" and int(frames[2]) == index:
-                acked.add(peer)
-        self._outstanding[slot] = None
-        _tr('acked', index)
+            if kind == b"ack" and peer in self._acked and len(frames) > 3 and int(frames[3]) == self._attempt:
+                self._acked[peer] = max(self._acked[peer], int(frames[2]))
 
     def commit(self, version: int) -> None:
-        self._wait_free(0)
-        self._wait_free(1)
+        self._wait_acked(self._sent)
 
     def close(self) -> None:
         self._sock.close(linger=0)
@@ -188,18 +196,18 @@ class IpcReceiver:
                 raise TransportTimeoutError(f"waiting for bucket {k} of version {version}", self.timeout_s)
             _, slot_raw, raw, length, handle = self._sock.recv_multipart()
             header = decode_header(raw)
-            _tr('rcv got', header.index)
+            ack = [b"ack", str(header.index).encode(), str(header.attempt).encode()]
             if not staging.is_current(header):  # left over from an abandoned attempt
-                self._sock.send_multipart([b"ack", str(header.index).encode()])
+                self._sock.send_multipart(ack)
                 continue
             count = header.count
             try:
                 staging.accept(header, self._payload(slot_raw[0], int(length), handle))
             except Exception as exc:
-                self._sock.send_multipart([b"error", str(header.index).encode(), str(exc).encode()])
+                self._sock.send_multipart([b"error", str(header.index).encode(), str(exc).encode(),
+                                           str(header.attempt).encode()])
                 raise
-            _tr('rcv applied', header.index)
-            self._sock.send_multipart([b"ack", str(header.index).encode()])
+            self._sock.send_multipart(ack)
             k += 1
 
     def _payload(self, slot: int, length: int, handle: bytes) -> memoryview:

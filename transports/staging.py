@@ -7,7 +7,10 @@ planned tensor arrived. Nothing here touches the weights an engine serves, so a 
 version leaves the old one live.
 
 `ReplayPipeline` runs the replay of bucket k on a thread while the receiver reads bucket k+1
-into its other arena.
+into its other arena. A receiver that reads a stream (http) can skip the copy out of its arena:
+`landing(header)` gives, per tensor that needs no conversion, the staging tensor to read its
+bytes into, and `accept(header, payload, landed)` checks those bytes (checksum included) before
+they count as arrived.
 """
 
 from __future__ import annotations
@@ -60,8 +63,38 @@ class StagingArea:
         """False for a bucket left over from an abandoned attempt: receivers drop those."""
         return header.version == self.version and header.attempt == self.attempt
 
-    def validate(self, header: BucketHeader, payload: memoryview) -> None:
-        """Raises naming the first tensor of the bucket that disagrees with the plan."""
+    def landing(self, header: BucketHeader) -> dict[str, torch.Tensor]:
+        """Where a receiver that reads a bucket off a stream may put tensors' bytes directly
+        (as flat uint8 views), skipping the copy out of its arena: the engine-owned destination
+        tensor, or a fresh tensor, for each tensor that needs no allocating operation on
+        arrival and whose metadata agrees with the plan. Nothing for a bucket of another
+        version or attempt. The bytes still go through `accept(..., landed=...)`, which checks
+        them (checksums included) before the tensor counts as arrived; a tensor that fails
+        leaves its version unstaged, so only staging memory, never live weights, saw them."""
+        if not self.is_current(header) or header.count != self.plan.bucket_count:
+            return {}
+        out: dict[str, torch.Tensor] = {}
+        for meta in header.tensors:
+            entry = self.plan.entries.get(meta.name)
+            if (entry is None or entry.on_arrival or tuple(meta.shape) != tuple(entry.shape)
+                    or meta.dtype != entry.wire_dtype or meta.nbytes != entry.nbytes
+                    or entry.wire_dtype != entry.target_dtype):
+                continue
+            if self.destination is not None and entry.name in self.destination:
+                dst = self.destination[entry.name]
+                if dst.dtype != parse_dtype(entry.wire_dtype) or not dst.is_contiguous() or dst.device.type != "cpu":
+                    continue
+            else:
+                dst = torch.empty(entry.shape, dtype=parse_dtype(entry.wire_dtype))
+            flat = dst.view(-1).view(torch.uint8) if dst.numel() else torch.empty(0, dtype=torch.uint8)
+            if flat.numel() == meta.nbytes:
+                out[meta.name] = flat
+        return out
+
+    def validate(self, header: BucketHeader, payload: memoryview,
+                 landed: dict[str, torch.Tensor] | None = None) -> None:
+        """Raises naming the first tensor of the bucket that disagrees with the plan. `landed`:
+        tensors whose bytes were read straight into these flat views (see `landing`)."""
         if header.version != self.version:
             raise TransportError(f"bucket {header.index} belongs to version {header.version}, "
                                  f"expected {self.version}")
@@ -82,20 +115,28 @@ class StagingArea:
                     meta.name, f"bucket {header.index} holds {len(payload)} bytes, the tensor ends at "
                     f"{meta.offset + meta.nbytes}")
             if header.checksums:
-                got = checksum(payload[meta.offset:meta.offset + meta.nbytes])
+                flat = landed.get(meta.name) if landed else None
+                data = memoryview(flat.numpy()) if flat is not None else payload[meta.offset:meta.offset + meta.nbytes]
+                got = checksum(data)
                 if got != meta.checksum:
                     raise ChecksumError(meta.name, f"checksum {got:#010x} != sent {meta.checksum:#010x}")
 
     # -- replay -----------------------------------------------------------------------------
 
-    def accept(self, header: BucketHeader, payload: memoryview) -> None:
-        """Validates the whole bucket, then replays every tensor of it into staging."""
-        self.validate(header, payload)
+    def accept(self, header: BucketHeader, payload: memoryview,
+               landed: dict[str, torch.Tensor] | None = None) -> None:
+        """Validates the whole bucket, then replays every tensor of it into staging. A tensor in
+        `landed` (bytes already read into the view `landing` gave) is staged without a copy."""
+        self.validate(header, payload, landed)
         if header.kv_scales is not None:
             self.kv_scales = dict(header.kv_scales)
         raw = torch.frombuffer(payload, dtype=torch.uint8) if len(payload) else torch.empty(0, dtype=torch.uint8)
         for meta in header.tensors:
             entry = self.plan.entries[meta.name]
+            flat = landed.get(meta.name) if landed else None
+            if flat is not None:
+                self._staged[meta.name] = flat.view(parse_dtype(entry.wire_dtype)).view(entry.shape)
+                continue
             wire = raw[meta.offset:meta.offset + meta.nbytes].view(parse_dtype(entry.wire_dtype)).view(entry.shape)
             for name, tensor in self._replay(entry, wire).items():
                 self._staged[name] = tensor
@@ -151,10 +192,10 @@ class ReplayPipeline:
         return slot
 
     def submit(self, slot: int, header: BucketHeader, payload: memoryview,
-               after: Callable[[], None] | None = None) -> None:
+               after: Callable[[], None] | None = None, landed: dict[str, torch.Tensor] | None = None) -> None:
         def job() -> None:
             try:
-                self.staging.accept(header, payload)
+                self.staging.accept(header, payload, landed)
             finally:
                 if after is not None:
                     after()

@@ -7,7 +7,9 @@ JSON string argument (a server's `/collective_rpc` passes strings only) and retu
     swap_init(cfg)         {"plan": RefitPlan json, "root": filesystem root, "strategy":
                             "pause_swap" | "double_buffer", "timeout_s": ...}
     swap_stage(req)        {"version": v, "attempt": a}: starts staging v on a thread pinned off
-                            the worker's core and returns at once (the engine keeps generating)
+                            the worker's core and returns at once (the engine keeps generating);
+                            {"version": v, "base_dir": d, "lora_dir": a} stages base d with the
+                            PEFT adapter a merged in (a LoRA update, see `merge_lora`)
     swap_status()          {"state": idle|staging|staged|failed, "version", "error", "seconds"}
     swap_drop()            forgets whatever is staged (a failed activation)
     swap_apply()           staged -> live. pause_swap: copies the staged tensors into the live
@@ -173,6 +175,36 @@ def _copy_meta(tensor: torch.Tensor, live: torch.nn.Module, shadow: torch.nn.Mod
     return new
 
 
+def merge_lora(base_dir: str, lora_dir: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Base weights (every safetensors file of `base_dir`) with a PEFT-format adapter
+    (`adapter_config.json` r / lora_alpha, `adapter_model.safetensors` lora_A / lora_B) merged:
+    W + (alpha / r) * B @ A. Staged like any version, so the adapter lands beside the serving
+    copy and is swapped in by a flip between two engine steps."""
+    import glob
+
+    from safetensors.torch import load_file
+
+    base: dict[str, torch.Tensor] = {}
+    for file in sorted(glob.glob(os.path.join(base_dir, "*.safetensors"))):
+        base.update(load_file(file))
+    with open(os.path.join(lora_dir, "adapter_config.json")) as f:
+        config = json.load(f)
+    scale = float(config["lora_alpha"]) / float(config["r"])
+    adapter = load_file(os.path.join(lora_dir, "adapter_model.safetensors"))
+    for key, a in adapter.items():
+        if ".lora_A." not in key:
+            continue
+        b = adapter[key.replace(".lora_A.", ".lora_B.")]
+        module = key.split(".lora_A.")[0]
+        if module.startswith("base_model.model."):
+            module = module[len("base_model.model."):]
+        name = module + ".weight"
+        if name not in base:
+            raise KeyError(f"adapter targets {name}, which the base model does not have")
+        base[name] = base[name].float() + scale * (b.float() @ a.float())
+    return {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in base.items()}
+
+
 class _Stager:
     """One version being staged on a thread; its state is read by `swap_status`."""
 
@@ -243,6 +275,8 @@ class SwapWorkerExtension(InflightWorkerExtension):
             stager.state, stager.version = "staging", int(request["version"])
             stager.attempt, stager.error, stager.seconds = int(request.get("attempt", 0)), None, 0.0
         s["staged"] = None
+        if s["cfg"].get("strategy") == "double_buffer" and not request.get("rollback"):
+            s["shadow_version"] = None  # about to be overwritten: no longer a rollback target
         thread = threading.Thread(target=self._stage_thread, args=(generation, dict(request)),
                                   name=f"inflight-stage-{request['version']}", daemon=True)
         stager.thread = thread
@@ -256,12 +290,17 @@ class SwapWorkerExtension(InflightWorkerExtension):
         try:
             try:
                 os.sched_setaffinity(0, staging_cpus(s["worker_cpus"]))  # this thread only (Linux)
-            except OSError:
+                # below the engine's own threads where they share a core (front end, engine core)
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+            except (OSError, AttributeError):
                 pass
             delay = float(s["cfg"].get("stage_delay_s", 0.0))  # test hook: a slow transfer
             if delay:
                 time.sleep(delay)
-            weights = self._receive(int(request["version"]), int(request.get("attempt", 0)))
+            if request.get("lora_dir"):
+                weights = merge_lora(request["base_dir"], request["lora_dir"], self._model_config().dtype)
+            else:
+                weights = self._receive(int(request["version"]), int(request.get("attempt", 0)))
             prepared: Any = weights
             if s["cfg"].get("strategy") == "double_buffer":
                 self._prepare_shadow(weights)

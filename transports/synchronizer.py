@@ -123,16 +123,23 @@ class TransportSynchronizer(WeightSynchronizer):
         # begin() before any engine starts waiting: a retried version must not be mistaken
         # for the failed attempt still on disk (filesystem) or in flight.
         self.sender.begin(version, self.plan.bucket_count)
-        for engine in self.engines:
-            engine.start_weight_update()
         self._attempt += 1
-        info = {"version": version, "attempt": self._attempt}
-        calls = [lambda e=e: e.update_weights(info) for e in self.engines]
-        try:
-            run_alongside(calls, lambda: self._send(version, kv_scales), self.timeout_s, "update_weights")
-        except BaseException:
-            self._discard(version)
-            raise
+        # Packing starts now, on its thread, while the engines are told to expect a version.
+        buckets = self.plan.pack(self._state_dict(), version=version, kv_scales=kv_scales, checksums=self.checksums,
+                                 arenas=self._pack_arenas(), attempt=self._attempt,
+                                 hold=getattr(self.sender, "in_flight", 0))
+        # closing(): on a failed send the packing thread stops now, before the arenas are reused.
+        with contextlib.closing(buckets):
+            for engine in self.engines:
+                engine.start_weight_update()
+            info = {"version": version, "attempt": self._attempt}
+            calls = [lambda e=e: e.update_weights(info) for e in self.engines]
+            try:
+                run_alongside(calls, lambda: self._send(version, buckets), self.timeout_s, "update_weights")
+            except BaseException:
+                buckets.close()
+                self._discard(version)
+                raise
         for engine in self.engines:
             engine.finish_weight_update(str(version))
         if self.hooks:
@@ -145,18 +152,16 @@ class TransportSynchronizer(WeightSynchronizer):
         """The sender's own arenas (ipc packs straight into shared memory), else two kept
         across versions: no allocation and no page faults per version."""
         arenas = getattr(self.sender, "arenas", None)
-        if arenas is not None:
-            return arenas()
+        own = arenas() if arenas is not None else None
+        if own is not None:
+            return own
         if self._arenas is None:
             import torch
 
             self._arenas = [torch.empty(self.plan.arena_bytes, dtype=torch.uint8) for _ in range(2)]
         return self._arenas
 
-    def _send(self, version: int, kv_scales: dict[str, float] | None) -> None:
-        buckets = self.plan.pack(self._state_dict(), version=version, kv_scales=kv_scales, checksums=self.checksums,
-                                 arenas=self._pack_arenas(), attempt=self._attempt)
-        # closing(): on a failed send the packing thread stops now, before the arenas are reused.
+    def _send(self, version: int, buckets) -> None:
         with contextlib.closing(buckets):
             for header, payload in buckets:
                 self.sender.send(header, payload)

@@ -103,7 +103,7 @@ class InProcessEngine(Engine):
         return self._llm
 
     async def generate(self, request_id: str, prompt_token_ids: Sequence[int],
-                       sampling: SamplingSettings) -> AsyncIterator[TokenChunk]:
+                       sampling: SamplingSettings, cache_salt: str | None = None) -> AsyncIterator[TokenChunk]:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
         from vllm.v1.engine.exceptions import EngineDeadError as VllmDead
@@ -113,7 +113,10 @@ class InProcessEngine(Engine):
         if not prompt_token_ids:
             raise ConfigError("prompt_token_ids", "must not be empty")
         params = SamplingParams(**sampling.to_vllm(), output_kind=RequestOutputKind.DELTA)
-        stream = self.llm.generate({"prompt_token_ids": list(prompt_token_ids)}, params, request_id)
+        prompt: dict = {"prompt_token_ids": list(prompt_token_ids)}
+        if cache_salt is not None:
+            prompt["cache_salt"] = cache_salt
+        stream = self.llm.generate(prompt, params, request_id)
         try:
             while True:
                 try:

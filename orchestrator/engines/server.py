@@ -229,7 +229,7 @@ class ServerEngine(Engine):
             return False
 
     async def generate(self, request_id: str, prompt_token_ids: Sequence[int],
-                       sampling: SamplingSettings) -> AsyncIterator[TokenChunk]:
+                       sampling: SamplingSettings, cache_salt: str | None = None) -> AsyncIterator[TokenChunk]:
         sampling.validate()
         if not prompt_token_ids:
             raise ConfigError("prompt_token_ids", "must not be empty")
@@ -240,6 +240,8 @@ class ServerEngine(Engine):
             "stream": True,
             "output_mode": "tokens",
         }
+        if cache_salt is not None:
+            body["cache_salt"] = cache_salt
         timeout = httpx.Timeout(self.config.control_timeout_s, read=self.config.chunk_timeout_s)
         what = f"request {request_id}"
         try:

@@ -137,9 +137,12 @@ async def under_load(fleet, activate: Callable, *, n: int = 4, min_tokens: int =
     async with anyio.create_task_group() as tg:
         for i in range(n):
             tg.start_soon(stream, i)
-        with anyio.fail_after(120):
+        with anyio.move_on_after(120):
             while sum(t.n_tokens >= min_tokens for t in fleet.tracks.values()) < n:
                 await anyio.sleep(0.005)
+        if sum(t.n_tokens >= min_tokens for t in fleet.tracks.values()) < n:
+            raise AssertionError(f"load did not start: tracks {[(t.engine, t.n_tokens) for t in fleet.tracks.values()]}, "
+                                 f"ended {[(c.engine_id, c.status, c.reason) for c in completions]}")
         try:
             result["value"] = await activate()
         finally:
@@ -165,8 +168,8 @@ class FaultyEngine(Engine):
     async def start(self):
         await self.inner.start()
 
-    def generate(self, request_id, prompt_token_ids, sampling):
-        return self.inner.generate(request_id, prompt_token_ids, sampling)
+    def generate(self, request_id, prompt_token_ids, sampling, cache_salt=None):
+        return self.inner.generate(request_id, prompt_token_ids, sampling, cache_salt)
 
     async def abort(self, request_id):
         await self.inner.abort(request_id)

@@ -121,3 +121,71 @@ async def test_abort_drops_and_redispatches(engine, world):
         if c.token_ids:
             assert max_err(c.logprobs, refs.recompute(c.prompt_token_ids, c.token_ids, c.versions)) < TOL
     assert len({c.request_id for c in fleet.completions}) == len(fleet.completions)
+
+
+def make_adapter(directory, base, rank: int = 4, alpha: float = 8.0, seed: int = 7):
+    """A PEFT-format LoRA adapter on every q_proj and v_proj, big enough to change outputs."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, w in base.items():
+        if name.endswith(("q_proj.weight", "v_proj.weight")):
+            module = name[: -len(".weight")]
+            out_f, in_f = w.shape
+            tensors[f"base_model.model.{module}.lora_A.weight"] = torch.randn(rank, in_f, generator=g) * 0.3
+            tensors[f"base_model.model.{module}.lora_B.weight"] = torch.randn(out_f, rank, generator=g) * 0.3
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(directory / "adapter_model.safetensors"))
+    (directory / "adapter_config.json").write_text(json.dumps({"r": rank, "lora_alpha": alpha,
+                                                                "target_modules": ["q_proj", "v_proj"]}))
+    return tensors, alpha / rank
+
+
+def adapter_reference(model_dir, tensors, scale):
+    """The adapter's own forward: base linear plus scale * x A^T B^T (unmerged)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    modules = dict(model.named_modules())
+    for key, a in tensors.items():
+        if ".lora_A." not in key:
+            continue
+        b = tensors[key.replace(".lora_A.", ".lora_B.")]
+        module = modules[key.split(".lora_A.")[0][len("base_model.model."):]]
+        module.register_forward_hook(lambda _m, inputs, out, a=a, b=b: out + scale * (inputs[0] @ a.T @ b.T))
+    return model
+
+
+async def test_lora_swap_between_steps_without_pause(engine, world, tiny_model_dir, tmp_path):
+    from tests.integration.activation_helpers import FaultyEngine
+
+    tensors, scale = make_adapter(tmp_path / "adapter", world["base"])
+    v = world["next"]
+    world["next"] += 1
+    refs = world["refs"]
+    refs.models[v] = adapter_reference(tiny_model_dir, tensors, scale)
+    pauses = []
+
+    async def spy_pause(inner, *args):
+        pauses.append(args)
+        return await inner.pause(*args)
+
+    fleet = Fleet([FaultyEngine(engine, pause=spy_pause)], strategy="pause_free", kv_policy="keep",
+                  live_version=world["live"])
+    await fleet.setup(world["pub"].plan_json, world["pub"].root)
+    source = {"base_dir": str(tiny_model_dir), "lora_dir": str(tmp_path / "adapter")}
+    completions, record = await under_load(fleet, lambda: fleet.activate(v, source=source), n=3)
+    assert record.outcome == act.ACTIVATED and pauses == []
+    world["live"] = v
+    for c in completions:
+        assert max_err(c.logprobs, refs.carried(c.prompt_token_ids, c.token_ids, c.versions)) < TOL
+    c = await fleet.generate(PROMPTS[2], GREEDY)
+    assert set(c.versions) == {v}
+    assert max_err(c.logprobs, refs.full(v, PROMPTS[2], c.token_ids)) < TOL
+    # and the adapter really changed the outputs
+    assert max_err(c.logprobs, refs.full(0, PROMPTS[2], c.token_ids)) > 10 * TOL

@@ -100,7 +100,10 @@ def test_ipc_trainer_times_out_when_the_engine_stalls(plan_and_state):
         sender.begin(1, plan.bucket_count)
         header, payload = next(iter(plan.pack(state, version=1, prefetch=False, arenas=sender.arenas())))
         with pytest.raises(TransportTimeoutError, match="apply bucket 0"):
+            # send() returns while bucket 0 is still being applied (bucket 1 is packed
+            # meanwhile); the wait for it, bounded, comes with the next send or commit().
             sender.send(header, payload)
+            sender.commit(1)
     finally:
         stalled.close()
         sender.close()
@@ -132,7 +135,9 @@ def test_http_trainer_times_out_on_an_engine_that_never_answers(plan_and_state):
     try:
         header, payload = next(iter(plan.pack(state, version=1, prefetch=False)))
         with pytest.raises(TransportTimeoutError):
+            # The answer to a bucket is read after the next bucket was written, or by commit().
             sender.send(header, payload)
+            sender.commit(1)
     finally:
         sender.close()
         silent.close()

@@ -35,7 +35,10 @@ from replay.records import (
 )
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "replay"
-GOLDEN_SEGMENT = FIXTURES / "golden_v1.seg"
+# The newest golden segment is what writing must reproduce; every older one (written by an
+# earlier record definition, never regenerated) must still read back.
+GOLDEN_SEGMENT = FIXTURES / "golden_v2.seg"  # v2: ActivationRecord gained strategy, kv_policy, kv_carried
+OLDER_GOLDEN_SEGMENTS = [FIXTURES / "golden_v1.seg"]
 IDENTITY = PolicyIdentity("Qwen/Qwen3-0.6B", "tok-1a2b", "tmpl-3c4d", "bf16")
 
 # The on-disk field order. Append new fields (with defaults) at the end; never edit a line.
@@ -46,7 +49,8 @@ GOLDEN_FIELDS = {
         "dispatched_version", "kv_carried_across_versions", "status", "rewards", "sampling",
         "identity", "timings", "consumed_step",
     ],
-    ActivationRecord: ["version", "outcome", "engines", "activated_at", "message"],
+    ActivationRecord: ["version", "outcome", "engines", "activated_at", "message", "strategy",
+                       "kv_policy", "kv_carried"],
     ConsumptionRecord: ["step", "rollout_ids"],
     RunMetaRecord: ["run_id", "created_at", "identity", "config"],
     EngineActivation: ["engine_id", "transfer_s", "pause_s", "outcome"],
@@ -241,9 +245,10 @@ def test_writing_golden_records_reproduces_the_golden_segment_bytes(tmp_path):
     assert written == golden
 
 
-def test_the_golden_segment_reads_back_as_the_golden_records(tmp_path):
+@pytest.mark.parametrize("segment", [GOLDEN_SEGMENT, *OLDER_GOLDEN_SEGMENTS], ids=lambda p: p.name)
+def test_every_golden_segment_reads_back_as_the_golden_records(tmp_path, segment):
     (tmp_path / "replay").mkdir()
-    shutil.copy(GOLDEN_SEGMENT, tmp_path / "replay" / "00000001.seg")
+    shutil.copy(segment, tmp_path / "replay" / "00000001.seg")
     assert list(read_records(tmp_path)) == golden_records()
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import time
 
 import msgspec
 import pytest
@@ -280,3 +281,54 @@ def test_staging_rejects_an_unknown_tensor(small_plan):
     bad = BucketHeader(1, 0, header.count, header.nbytes, (msgspec.structs.replace(header.tensors[0], name="zz"),))
     with pytest.raises(RefitMismatchError, match="not in the refit info"):
         _staging(plan).accept(bad, memoryview(payload))
+
+
+def test_landed_tensors_are_staged_without_a_copy_and_still_checked(small_plan):
+    """A streaming receiver reads tensors straight into `landing` views; `accept` stages those
+    views as they are, and a corrupted landed tensor is still refused naming it."""
+    sd, plan = small_plan
+    destination = {k: torch.zeros_like(v) for k, v in sd.items()}
+    staging = StagingArea(plan, destination=destination)
+    staging.begin(1)
+    for header, payload in plan.pack(sd, version=1, prefetch=False):
+        landed = staging.landing(header)
+        assert set(landed) == {m.name for m in header.tensors}
+        for meta in header.tensors:
+            landed[meta.name].copy_(torch.frombuffer(bytearray(payload[meta.offset:meta.offset + meta.nbytes]),
+                                                     dtype=torch.uint8))
+        staging.accept(header, payload, landed)
+    staged = staging.finish()
+    for name, tensor in sd.items():
+        assert staged[name].data_ptr() == destination[name].data_ptr()  # no copy out of an arena
+        assert torch.equal(staged[name], tensor)
+
+    staging.begin(2)
+    header, payload = next(iter(plan.pack(sd, version=2, prefetch=False)))
+    landed = staging.landing(header)
+    first = header.tensors[0]
+    landed[first.name].copy_(torch.frombuffer(bytearray(payload[first.offset:first.offset + first.nbytes]),
+                                              dtype=torch.uint8))
+    landed[first.name][0] ^= 0x40
+    with pytest.raises(ChecksumError) as err:
+        staging.accept(header, payload, landed)
+    assert err.value.tensor == first.name
+    # A bucket of another attempt gets no landing place.
+    assert staging.landing(msgspec.structs.replace(header, attempt=7)) == {}
+
+
+def test_pack_hold_keeps_a_sent_bucket_intact_until_two_later_buckets_are_asked_for():
+    """hold=1 (a sender whose far side still reads bucket k after send(k) returns): the packing
+    thread refills bucket k's arena only once bucket k+2 is requested."""
+    sd = {f"w{i}": torch.full((64,), float(i)) for i in range(6)}
+    plan = RefitPlan.build(meta_of(sd), wire_dtype=None, bucket_bytes=256)
+    assert plan.bucket_count == 6
+    buckets = plan.pack(sd, version=1, hold=1)
+    seen = []
+    for header, payload in buckets:
+        if seen:  # the previous bucket, still readable while this one is handed out
+            prev_header, prev_payload = seen[-1]
+            time.sleep(0.05)  # give the packing thread every chance to overwrite it
+            values = torch.frombuffer(bytearray(prev_payload), dtype=torch.float32)
+            assert torch.all(values == float(prev_header.index)), prev_header.index
+        seen.append((header, payload))
+    assert [h.index for h, _ in seen] == list(range(6))

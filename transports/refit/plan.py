@@ -278,28 +278,32 @@ class RefitPlan:
         arenas: Sequence[torch.Tensor] | None = None,
         prefetch: bool | None = None,
         attempt: int = 0,
+        hold: int = 0,
     ) -> Iterator[tuple[BucketHeader, memoryview]]:
-        """Yields (header, payload) per bucket. A payload stays valid until the next bucket is
+        """Yields (header, payload) per bucket. A payload stays valid until bucket k+1+`hold` is
         requested; with two arenas, bucket k+1 is packed on a thread while bucket k is sent.
+        `hold=1` is for a sender that returns from `send(k)` while the far side still reads
+        bucket k (it waits for bucket k-1 instead): the arena of bucket k is then refilled only
+        once bucket k+2 is asked for. `hold` must stay below the number of arenas.
 
         Sources that are DTensors (FSDP2) are gathered with `full_tensor()`, a collective every
         rank must run in the same order: then packing stays on the calling thread."""
         arenas = list(arenas) if arenas is not None else [torch.empty(self.arena_bytes, dtype=torch.uint8) for _ in range(2)]
+        if not 0 <= hold < len(arenas):
+            raise TransportError(f"hold={hold} needs more than {len(arenas)} arenas")
         sharded = any(_is_dtensor(state_dict[e.source]) for e in self.spec.entries)
         if prefetch is None:
             prefetch = not sharded and self.bucket_count > 1
         fill = lambda k: self._fill(k, state_dict, arenas[k % len(arenas)], version, kv_scales, checksums, attempt)  # noqa: E731
         if not prefetch:
-            for k in range(self.bucket_count):
-                yield fill(k)
-            return
-        yield from _prefetched(fill, self.bucket_count, depth=len(arenas))
+            return (fill(k) for k in range(self.bucket_count))
+        # The packing thread starts now, not at the first next(): a caller can overlap its own
+        # set-up (the engines' start_weight_update round trips) with packing the first buckets.
+        return _Prefetched(fill, self.bucket_count, depth=len(arenas), hold=hold)
 
     def _fill(self, k: int, state_dict, arena: torch.Tensor, version: int, kv_scales, checksums: bool,
               attempt: int = 0):
         metas = []
-        import time as _t, sys as _s, os as _o
-        if _o.environ.get('TRACE'): print(f'{_t.monotonic():.4f}', 'fill start', k, file=_s.stderr, flush=True)
         view = memoryview(arena.numpy())
         for entry in self.by_bucket[k]:
             source = state_dict.get(entry.source)
@@ -313,7 +317,6 @@ class RefitPlan:
             crc = checksum(view[entry.offset:entry.offset + entry.nbytes]) if checksums else 0
             metas.append(TensorMeta(entry.name, entry.shape, entry.wire_dtype, entry.offset, entry.nbytes, crc))
         nbytes = self.bucket_nbytes[k]
-        if _o.environ.get('TRACE'): print(f'{_t.monotonic():.4f}', 'fill end', k, file=_s.stderr, flush=True)
         header = BucketHeader(version, k, self.bucket_count, nbytes, tuple(metas), checksums,
                               kv_scales if k == 0 else None, attempt)
         return header, view[:nbytes]
@@ -329,38 +332,57 @@ class RefitPlan:
         return staging.finish()
 
 
-def _prefetched(fill, count: int, depth: int) -> Iterator[tuple[BucketHeader, memoryview]]:
+class _Prefetched:
     """Runs `fill(k)` ahead on a thread, into `depth` arenas used in turn: the arena of bucket k
-    is refilled (with bucket k + depth) only once the consumer asked for bucket k+1."""
-    ready: queue.Queue = queue.Queue(maxsize=max(1, depth))
-    consumed = threading.Semaphore(depth)
-    stop = threading.Event()
+    is refilled (with bucket k + depth) only once the consumer asked for bucket k+1+hold.
+    An iterator with `close()` (stops the thread; `contextlib.closing` works)."""
 
-    def work() -> None:
+    def __init__(self, fill, count: int, depth: int, hold: int = 0):
+        self._fill, self._count, self._hold = fill, count, hold
+        self._ready: queue.Queue = queue.Queue(maxsize=max(1, depth))
+        self._consumed = threading.Semaphore(depth)
+        self._stop = threading.Event()
+        self._next = 0
+        self._thread = threading.Thread(target=self._work, name="refit-pack", daemon=True)
+        self._thread.start()
+
+    def _work(self) -> None:
         try:
-            for k in range(count):
-                while not consumed.acquire(timeout=0.1):
-                    if stop.is_set():
+            for k in range(self._count):
+                while not self._consumed.acquire(timeout=0.1):
+                    if self._stop.is_set():
                         return
-                if stop.is_set():
+                if self._stop.is_set():
                     return
-                ready.put(("ok", fill(k)))
+                self._ready.put(("ok", self._fill(k)))
         except BaseException as exc:  # handed to the consumer, raised there
-            ready.put(("error", exc))
+            self._ready.put(("error", exc))
 
-    thread = threading.Thread(target=work, name="refit-pack", daemon=True)
-    thread.start()
-    try:
-        for k in range(count):
-            kind, item = ready.get()
-            if kind == "error":
-                raise item
-            yield item
-            consumed.release()  # the consumer asked for the next: the previous arena is free
-    finally:
-        stop.set()
-        consumed.release()
-        thread.join(timeout=5)
+    def __iter__(self) -> _Prefetched:
+        return self
+
+    def __next__(self) -> tuple[BucketHeader, memoryview]:
+        k = self._next
+        if k > self._hold:  # the consumer asks for bucket k: bucket k-1-hold's arena is free
+            self._consumed.release()
+        if k >= self._count or self._stop.is_set():
+            self.close()
+            raise StopIteration
+        kind, item = self._ready.get()
+        if kind == "error":
+            self.close()
+            raise item
+        self._next = k + 1
+        return item
+
+    def close(self) -> None:
+        if not self._stop.is_set():
+            self._stop.set()
+            self._consumed.release()
+            self._thread.join(timeout=5)
+
+    def __del__(self) -> None:
+        self._stop.set()
 
 
 def _is_dtensor(tensor: Any) -> bool:
