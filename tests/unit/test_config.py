@@ -70,3 +70,12 @@ def test_the_fleet_takes_its_policy_from_the_config():
     assert fleet.strategy == "pause_free"
     assert fleet.coordinator.kv_policy == "keep"
     assert fleet.coordinator.timeouts.swap_s == 7.0
+
+
+def test_every_example_config_loads():
+    from pathlib import Path
+
+    examples = sorted((Path(__file__).parents[2] / "examples").glob("*.toml"))
+    assert examples
+    for path in examples:
+        load_config(path)
