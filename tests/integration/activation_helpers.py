@@ -111,6 +111,15 @@ class References:
         return torch.log_softmax(logits, -1).gather(1, torch.tensor(list(tokens))[:, None])[:, 0].tolist()
 
 
+def new_world(tiny_model_dir, weights_dir) -> dict:
+    """What an activation test module shares: the base weights, a publisher of new versions
+    (filesystem transport) and transformers references per version (v0 = the base)."""
+    base = load_checkpoint(tiny_model_dir)
+    refs = References(tiny_model_dir)
+    refs.add(0, base)
+    return {"base": base, "pub": Publisher(weights_dir, base), "refs": refs, "next": 1, "live": 0}
+
+
 def max_err(a: Sequence[float], b: Sequence[float]) -> float:
     return max((abs(x - y) for x, y in zip(a, b, strict=True)), default=0.0)
 

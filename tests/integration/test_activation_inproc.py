@@ -11,9 +11,7 @@ from orchestrator.engines.base import SamplingSettings
 from orchestrator.fleet import Fleet
 from tests.integration.activation_helpers import (
     PROMPTS,
-    Publisher,
-    References,
-    load_checkpoint,
+    new_world,
     max_err,
     perturbed,
     under_load,
@@ -26,11 +24,7 @@ GREEDY = SamplingSettings(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def world(tiny_model_dir, tmp_path_factory):
-    base = load_checkpoint(tiny_model_dir)
-    pub = Publisher(tmp_path_factory.mktemp("weights-inproc"), base)
-    refs = References(tiny_model_dir)
-    refs.add(0, base)
-    return {"base": base, "pub": pub, "refs": refs, "next": 1, "live": 0}
+    return new_world(tiny_model_dir, tmp_path_factory.mktemp("weights-inproc"))
 
 
 def new_version(world) -> int:

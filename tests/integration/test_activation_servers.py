@@ -24,9 +24,8 @@ from tests.integration.activation_helpers import (
     LOAD,
     PROMPTS,
     FaultyEngine,
-    Publisher,
     References,
-    load_checkpoint,
+    new_world,
     max_err,
     perturbed,
     under_load,
@@ -39,11 +38,7 @@ GREEDY = SamplingSettings(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def world(tiny_model_dir, tmp_path_factory):
-    base = load_checkpoint(tiny_model_dir)
-    pub = Publisher(tmp_path_factory.mktemp("weights"), base)
-    refs = References(tiny_model_dir)
-    refs.add(0, base)
-    return {"base": base, "pub": pub, "refs": refs, "next": 1}
+    return new_world(tiny_model_dir, tmp_path_factory.mktemp("weights"))
 
 
 def new_version(world) -> int:
