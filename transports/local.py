@@ -16,7 +16,14 @@ from transports.base import TransportError, TransportTimeoutError
 
 
 def _child(conn, transport: str, preallocate: dict[str, tuple[tuple[int, ...], str]] | None) -> None:
+    import sys
+
+    import structlog
     import torch
+
+    # A spawned child starts with structlog's default (print to stdout); keep stdout for the
+    # parent's output (`inflight bench transports --json` prints JSON there).
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(file=sys.stderr))
 
     torch.set_num_threads(1)
     from transports.endpoint import ReceivingEndpoint

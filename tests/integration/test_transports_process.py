@@ -174,3 +174,19 @@ def test_bench_reports_every_transport_against_its_reference():
         for key in ("gbps", "reference_gbps", "ratio", "peak_extra_bytes", "bucket_bytes"):
             assert figures[key] >= 0, (kind, key)
         assert figures["gbps"] > 0 and figures["reference_gbps"] > 0
+
+
+def test_bench_json_on_stdout_is_pure_json(tmp_path):
+    """Receiver processes log too: none of it may land on the stdout that carries the JSON."""
+    import json
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", "bench", "transports", "--size", "4MiB",
+         "--tensors", "10", "--bucket", "1MiB", "--transports", "filesystem,ipc",
+         "--save", str(tmp_path / "saved.json"), "--json"],
+        capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-2000:]
+    figures = json.loads(result.stdout)
+    assert set(figures["transports"]) == {"filesystem", "ipc"}
