@@ -342,16 +342,19 @@ def encode_record_into(record: Record, buffer: bytearray, offset: int) -> None:
 
     Invariants were checked when the (frozen) record was built; the few that involve mutable
     containers (rewards, engine list) are checked again here. Structs do not check field
-    types when built, so the encoded bytes are decoded once, in place, against the record's
+    types when built, so the encoded bytes are decoded once against the record's
     shape (blobs skipped): that checks every field's type exactly as a reader will, so nothing
     is written that a reader would refuse. (A per-field check in Python costs several times
     more than this one decode in C.)
     """
     _check_before_encoding(record)
     try:
-        _encoder.encode_into(record, buffer, offset)
-        with memoryview(buffer) as view, view[offset:] as payload:
-            _check_shape(payload)
+        # encode() then one append measured ~4x faster than `encode_into` at the tail of the
+        # log's write buffer (2 vs 8 us for a 5.4 KB record): encode_into resizes the buffer
+        # to the exact length on every call, which defeats bytearray's over-allocation.
+        payload = _encoder.encode(record)
+        _check_shape(payload)
+        buffer[offset:] = payload
     except (TypeError, ValueError, OverflowError) as exc:
         del buffer[offset:]
         raise InvalidRecordError(_unencodable_field(record), str(exc)) from None
