@@ -318,7 +318,7 @@ class Fleet:
                 return await self._stage(engine, a)
             if isinstance(a, act.DropStaged):
                 with anyio.move_on_after(self.ft.rpc_s):
-                    await self._rpc(engine, "swap_drop")
+                    await self._rpc(engine, "swap_drop", str(a.version))
                 return None
             if isinstance(a, act.Drain):
                 self._gates.setdefault(e, anyio.Event())

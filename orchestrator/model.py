@@ -42,9 +42,11 @@ class ModelPreset(msgspec.Struct, frozen=True):
 
 # Head size 32 (tiny) and 64 (small): both accepted by vLLM's CPU attention backend.
 PRESETS: dict[str, ModelPreset] = {
+    # A long context lets tests keep a request generating for as long as they need: a
+    # server's stream can lag seconds behind its engine on a busy 2-core machine.
     "tiny": ModelPreset(vocab_size=1024, hidden_size=128, intermediate_size=256,
                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                        corpus_bytes=1_000_000),
+                        max_position_embeddings=32768, corpus_bytes=1_000_000),
     "small": ModelPreset(vocab_size=4096, hidden_size=768, intermediate_size=2048,
                          num_hidden_layers=10, num_attention_heads=12, num_key_value_heads=4,
                          corpus_bytes=4_000_000),

@@ -353,10 +353,14 @@ class SwapWorkerExtension(InflightWorkerExtension):
     def swap_status(self) -> dict:
         return self._swap()["stager"].snapshot()
 
-    def swap_drop(self) -> dict:
+    def swap_drop(self, version: str | None = None) -> dict:
+        """Drop what is staged (or being staged). With `version`, only if that is the version
+        staged: a late drop of an abandoned version must not drop a newer one (a rejoin)."""
         s = self._swap()
         stager: _Stager = s["stager"]
         with stager.lock:
+            if version is not None and stager.version is not None and stager.version != int(version):
+                return stager.snapshot()
             stager.generation += 1
             stager.state, stager.error = "idle", None
             s["staged"] = None

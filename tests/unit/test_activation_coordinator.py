@@ -83,7 +83,8 @@ class Sim:
             elif isinstance(action, Record):
                 self.records.append(action)
             elif isinstance(action, Fence | Unfence | DropStaged | AbortInflight):
-                if isinstance(action, DropStaged):
+                # Like the worker's swap_drop(version): only the named version is dropped.
+                if isinstance(action, DropStaged) and self.engines[action.engine].staged == action.version:
                     self.engines[action.engine].staged = None
             else:
                 if isinstance(action, Pause):
@@ -96,6 +97,8 @@ class Sim:
         coord = self.coord
         if isinstance(action, Swap):
             assert not self.stage_failed, "a Swap after a failed stage"
+            # The coordinator only asks for a swap of what the engine has staged.
+            assert self.engines[action.engine].staged == action.version or action.rollback
             self.swaps_this_activation.append(action.engine)
         if isinstance(action, Stage | Swap | Pause | SetVersion | Drain | FenceCache):
             if action.engine in coord.fenced and action.engine not in coord.rejoining:
@@ -124,7 +127,10 @@ class Sim:
             e.paused = True
             return Paused(action.engine, at)
         if isinstance(action, Swap):
-            assert e.staged == action.version or action.rollback
+            if e.staged != action.version and not action.rollback:
+                # Dropped while the swap was in flight (the coordinator gave up on it, e.g. a
+                # rejoin timed out): the worker refuses to swap in nothing.
+                return StepFailed(action.engine, at, step="swap", error="nothing staged")
             e.weights = action.version
             return Swapped(action.engine, at, version=action.version)
         if isinstance(action, FenceCache):
