@@ -120,6 +120,17 @@ def new_world(tiny_model_dir, weights_dir) -> dict:
     return {"base": base, "pub": Publisher(weights_dir, base), "refs": refs, "next": 1, "live": 0}
 
 
+def publish_next(world: dict, seed_base: int) -> int:
+    """Publish the next version (weights far enough from every other to change each logprob)
+    and register its transformers reference; returns the version."""
+    v = world["next"]
+    world["next"] += 1
+    state = perturbed(world["base"], seed=seed_base + v)
+    world["pub"].publish(v, state)
+    world["refs"].add(v, state)
+    return v
+
+
 def max_err(a: Sequence[float], b: Sequence[float]) -> float:
     return max((abs(x - y) for x, y in zip(a, b, strict=True)), default=0.0)
 

@@ -12,8 +12,8 @@ from orchestrator.fleet import Fleet
 from tests.integration.activation_helpers import (
     PROMPTS,
     new_world,
+    publish_next,
     max_err,
-    perturbed,
     under_load,
 )
 
@@ -28,12 +28,7 @@ def world(tiny_model_dir, tmp_path_factory):
 
 
 def new_version(world) -> int:
-    v = world["next"]
-    world["next"] += 1
-    state = perturbed(world["base"], seed=2000 + v)
-    world["pub"].publish(v, state)
-    world["refs"].add(v, state)
-    return v
+    return publish_next(world, seed_base=2000)
 
 
 @pytest.fixture(scope="module")

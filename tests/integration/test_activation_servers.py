@@ -26,8 +26,8 @@ from tests.integration.activation_helpers import (
     FaultyEngine,
     References,
     new_world,
+    publish_next,
     max_err,
-    perturbed,
     under_load,
 )
 
@@ -42,13 +42,7 @@ def world(tiny_model_dir, tmp_path_factory):
 
 
 def new_version(world) -> int:
-    """Publishes the next version (weights far enough from every other to change each logprob)."""
-    v = world["next"]
-    world["next"] += 1
-    state = perturbed(world["base"], seed=1000 + v)
-    world["pub"].publish(v, state)
-    world["refs"].add(v, state)
-    return v
+    return publish_next(world, seed_base=1000)
 
 
 @pytest.fixture(scope="module")
