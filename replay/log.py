@@ -38,7 +38,7 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Final, Protocol
 
 import crc32c
@@ -429,37 +429,29 @@ class LogReader:
 
     def segment_records(self, name: str, is_last: bool, data: bytes | None = None) -> Iterator[Record]:
         """The records of one segment (see __iter__)."""
-        for offset, payload in self.segment_frames(name, is_last, data):
-            try:
-                record = decode_record(payload)
-            except InvalidRecordError as exc:
-                self._skip_invalid(exc, name, offset)
-                continue
-            self.records_read += 1
+        frames = ((name, offset, payload) for offset, payload in self.segment_frames(name, is_last, data))
+        for _, _, record in self._decoded(frames):
             yield record
 
     def located(self) -> Iterator[LocatedRecord]:
         """Every valid record with the segment and offset of its frame."""
-        for name, offset, payload in self.frames():
-            try:
-                record = decode_record(payload)
-            except InvalidRecordError as exc:
-                self._skip_invalid(exc, name, offset)
-                continue
-            self.records_read += 1
+        for name, offset, record in self._decoded(self.frames()):
             yield LocatedRecord(name, offset, record)
 
     def __iter__(self) -> Iterator[Record]:
-        # The same loop as located(), without building a LocatedRecord: this one runs once
-        # per record on the scan path.
-        for name, offset, payload in self.frames():
+        for _, _, record in self._decoded(self.frames()):
+            yield record
+
+    def _decoded(self, frames: Iterable[tuple[str, int, bytes]]) -> Iterator[tuple[str, int, Record]]:
+        """Decode framed payloads; an invalid record is raised (strict) or skipped and counted."""
+        for name, offset, payload in frames:
             try:
                 record = decode_record(payload)
             except InvalidRecordError as exc:
                 self._skip_invalid(exc, name, offset)
                 continue
             self.records_read += 1
-            yield record
+            yield name, offset, record
 
     def _skip_invalid(self, exc: InvalidRecordError, name: str, offset: int) -> None:
         located = exc.at(name, offset)
