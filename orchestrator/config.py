@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import tomllib
 from pathlib import Path
 from typing import Literal
@@ -83,24 +84,239 @@ class ActivationConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                              swap_s=self.swap_s, resume_s=self.resume_s, rejoin_s=self.rejoin_s)
 
 
-class RunConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """A TOML config file: `[engine]` and `[activation]` tables (more to come with `inflight run`)."""
+class EngineOverride(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One `[[engines]]` entry: overrides of `[engine]` for one engine (e.g. its URL or port)."""
 
-    engine: EngineConfig = EngineConfig()
-    engines: int = 1
+    id: str | None = None  # engine id in records and metrics; default "engine-<index>"
+    url: str | None = None
+    port: int | None = None
+    kind: Literal["inproc", "server"] | None = None
+    model: str | None = None
+    seed: int | None = None
+    max_num_seqs: int | None = None
+
+
+class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """How rollouts are admitted, grouped, bounded in staleness and handed to the trainer."""
+
+    # GRPO: every prompt is sampled `group_size` times; a trainer step takes `batch_groups` groups.
+    group_size: int = 8
+    batch_groups: int = 8
+    # No sample reaches the trainer more than this many versions behind it: a sample consumed
+    # by step s has staleness (s - 1) - dispatched_version <= max_off_policy_steps.
+    max_off_policy_steps: int = 4
+    # Rollouts in flight on all engines together (admission also keeps dispatched-but-not-
+    # consumed rollouts within (max_off_policy_steps + 1) x batch size).
+    max_inflight: int = 256
+    # An errored rollout is replaced in its group this many times, then the group is dropped.
+    max_retries: int = 2
+    # async: sample while the trainer steps; sync: each step waits for rollouts of the newest version.
+    mode: Literal["async", "sync"] = "async"
+
+    @property
+    def batch_size(self) -> int:
+        return self.group_size * self.batch_groups
+
+    def validate(self) -> SchedulerConfig:
+        for name in ("group_size", "batch_groups", "max_inflight"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"scheduler.{name}", f"must be >= 1, got {getattr(self, name)}")
+        if self.group_size < 2:
+            raise ConfigError("scheduler.group_size", "GRPO normalises rewards within a group: must be >= 2")
+        if self.max_off_policy_steps < 0:
+            raise ConfigError("scheduler.max_off_policy_steps", f"must be >= 0, got {self.max_off_policy_steps}")
+        if self.max_retries < 0:
+            raise ConfigError("scheduler.max_retries", f"must be >= 0, got {self.max_retries}")
+        if self.max_inflight < self.group_size:
+            raise ConfigError("scheduler.max_inflight",
+                              f"must hold at least one group ({self.group_size}), got {self.max_inflight}")
+        return self
+
+
+class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The trainer process: optimizer, loss, publishing cadence, checkpoints."""
+
+    lr: float = 3e-3
+    # tis: decoupled objective, truncated importance weight min(pi/mu, is_cap) (default: it
+    # tolerates staleness); ppo: clipped ratio against the sampled logprobs; icepop: tokens whose
+    # ratio leaves [icepop_low, icepop_high] are masked out; plain: no correction.
+    loss: Literal["tis", "ppo", "icepop", "plain"] = "tis"
+    is_cap: float = 2.0
+    ppo_clip: float = 0.2
+    icepop_low: float = 0.5
+    icepop_high: float = 2.0
+    # Group-normalised advantages: (r - mean) / (std + eps); false keeps r - mean (Dr. GRPO).
+    normalize_std: bool = True
+    grad_clip: float = 1.0
+    weight_decay: float = 0.0
+    # Publish a new version every k optimizer steps.
+    publish_every: int = 1
+    # Checkpoint model and optimizer (atomically) at every published version, so --resume continues exactly.
+    checkpoint: bool = True
+    keep_checkpoints: int = 2
+    seed: int = 0
+    # CPU threads for torch; the trainer is pinned off the engine's core (core 0) when it can be.
+    threads: int = 1
+    cpus: list[int] | None = None
+    # How long the orchestrator waits for the trainer to start and for one step.
+    start_timeout_s: float = 120.0
+    step_timeout_s: float = 600.0
+
+    def validate(self) -> TrainerConfig:
+        for name in ("lr", "is_cap", "ppo_clip", "icepop_high", "start_timeout_s", "step_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"trainer.{name}", f"must be > 0, got {getattr(self, name)}")
+        if not 0 < self.icepop_low < self.icepop_high:
+            raise ConfigError("trainer.icepop_low", f"must be in (0, icepop_high), got {self.icepop_low}")
+        for name in ("publish_every", "keep_checkpoints", "threads"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"trainer.{name}", f"must be >= 1, got {getattr(self, name)}")
+        if self.grad_clip < 0 or self.weight_decay < 0:
+            raise ConfigError("trainer.grad_clip" if self.grad_clip < 0 else "trainer.weight_decay", "must be >= 0")
+        return self
+
+
+class TaskConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The task that supplies prompts and scores completions."""
+
+    # digits: reward = share of completion tokens that decode to ASCII digits;
+    # length: the prompt asks for exactly N tokens, reward 1 - |len - N| / N.
+    name: Literal["digits", "length"] = "digits"
+    seed: int = 0
+    length_min: int = 4
+    length_max: int = 12
+
+    def validate(self) -> TaskConfig:
+        if not 1 <= self.length_min <= self.length_max:
+            raise ConfigError("task.length_min", f"must be in [1, length_max={self.length_max}], got {self.length_min}")
+        return self
+
+
+class TransportConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """How each new version travels from the trainer to the engines."""
+
+    # The filesystem transport (safetensors + COMPLETE marker under RUN_DIR/weights) is the one
+    # `inflight run` drives; the engines stage from it off-pause.
+    name: Literal["filesystem"] = "filesystem"
+    # Versions retained on disk (replay analysis reads them).
+    keep_last: int = 8
+    timeout_s: float = 120.0
+
+    def validate(self) -> TransportConfig:
+        if self.keep_last < 1:
+            raise ConfigError("transport.keep_last", f"must be >= 1, got {self.keep_last}")
+        if not self.timeout_s > 0:
+            raise ConfigError("transport.timeout_s", f"must be > 0, got {self.timeout_s}")
+        return self
+
+
+class RunSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The run as a whole."""
+
+    dir: str = "runs/default"
+    max_steps: int = 60
+    seed: int = 0
+    # Model preset built when `engine.model` is missing (see `inflight model init`).
+    model_preset: Literal["tiny", "tiny-rl", "small"] = "tiny-rl"
+    # Replay log durability: fsync when this many records wait, or when the oldest is this old.
+    fsync_every_records: int = 256
+    fsync_every_ms: float = 200.0
+    # SIGINT/SIGTERM: in-flight rollouts get a terminal record within this time.
+    shutdown_grace_s: float = 30.0
+    # auto: a live rich display on a terminal, plain lines otherwise; plain; none.
+    progress: Literal["auto", "rich", "plain", "none"] = "auto"
+    # TensorBoard event files in RUN_DIR/tensorboard.
+    tensorboard: bool = True
+    # Weights & Biases: a project name turns it on; mode "offline" needs no network.
+    wandb_project: str | None = None
+    wandb_mode: Literal["online", "offline"] = "offline"
+
+    def validate(self) -> RunSection:
+        if self.max_steps < 1:
+            raise ConfigError("run.max_steps", f"must be >= 1, got {self.max_steps}")
+        if self.fsync_every_records < 1:
+            raise ConfigError("run.fsync_every_records", f"must be >= 1, got {self.fsync_every_records}")
+        for name in ("fsync_every_ms", "shutdown_grace_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"run.{name}", f"must be > 0, got {getattr(self, name)}")
+        return self
+
+
+class HttpConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The live query server: GET /stats, /metrics, /healthz."""
+
+    enabled: bool = True
+    host: str = "127.0.0.1"  # loopback unless you mean it
+    port: int = 0  # 0 picks a free port; the address is written to RUN_DIR/http.json
+
+    def validate(self) -> HttpConfig:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError("http.port", f"must be in [0, 65535], got {self.port}")
+        return self
+
+
+# The swap worker extension: what activation needs inside every engine worker. Set by default so
+# that a user never has to know it exists.
+SWAP_EXTENSION = "transports.swap.SwapWorkerExtension"
+
+
+class RunConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One TOML file: every table optional. See examples/default.toml for every knob."""
+
+    engine: EngineConfig = EngineConfig(model="models/tiny-rl", max_model_len=512, max_num_seqs=128)
+    # An engine count, or one `[[engines]]` table per engine with its overrides.
+    engines: int | list[EngineOverride] = 1
     activation: ActivationConfig = ActivationConfig()
+    sampling: SamplingSettings = SamplingSettings(temperature=1.0, top_p=1.0, max_tokens=16)
+    scheduler: SchedulerConfig = SchedulerConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    task: TaskConfig = TaskConfig()
+    transport: TransportConfig = TransportConfig()
+    run: RunSection = RunSection()
+    http: HttpConfig = HttpConfig()
 
     def validate(self) -> RunConfig:
-        if self.engines < 1:
+        if isinstance(self.engines, int) and self.engines < 1:
             raise ConfigError("engines", f"must be >= 1, got {self.engines}")
+        if isinstance(self.engines, list) and not self.engines:
+            raise ConfigError("engines", "needs at least one [[engines]] table")
         self.engine.validate()
-        self.activation.validate()
+        self.sampling.validate()
+        for section in (self.activation, self.scheduler, self.trainer, self.task, self.transport,
+                        self.run, self.http):
+            section.validate()
+        ids = [engine_id for engine_id, _ in self.engine_configs()]
+        if len(set(ids)) != len(ids):
+            raise ConfigError("engines", f"engine ids must be unique, got {ids}")
         return self
+
+    def engine_configs(self) -> list[tuple[str, EngineConfig]]:
+        """(engine id, its full config) per engine: `[engine]` with each `[[engines]]` override,
+        and the swap worker extension that activation needs."""
+        base = self.engine
+        if base.worker_extension_cls is None:
+            base = msgspec.structs.replace(base, worker_extension_cls=SWAP_EXTENSION)
+        if isinstance(self.engines, int):
+            return [(f"engine-{i}", msgspec.structs.replace(base, seed=base.seed + i)) for i in range(self.engines)]
+        out = []
+        for i, override in enumerate(self.engines):
+            changes = {k: v for k, v in msgspec.structs.asdict(override).items() if v is not None and k != "id"}
+            try:
+                config = msgspec.structs.replace(base, **changes).validate()
+            except ConfigError as exc:
+                raise ConfigError(f"engines[{i}].{exc.field.removeprefix('engine.')}", exc.reason) from None
+            out.append((override.id or f"engine-{i}", config))
+        return out
 
 
 def load_config(path: str | Path) -> RunConfig:
     """Read and validate a TOML config; errors name the field, e.g. `activation.kv_policy`."""
     return convert(_load_toml(Path(path)), RunConfig, "").validate()
+
+
+def default_config() -> RunConfig:
+    """The embedded default: one CPU engine on the tiny-rl model, the digits task, a trainer."""
+    return RunConfig().validate()
 
 
 def _load_toml(path: Path) -> dict:
@@ -120,11 +336,16 @@ def convert(data: object, type_: type, where: str):
         # msgspec says e.g. "Expected `int`, got `str` - at `$.engine.max_num_seqs`".
         message = str(exc)
         field = where
+        unknown = re.search(r"unknown field `([^`]+)`", message)
         if " - at `$" in message:
             message, _, path = message.partition(" - at `$")
             field = (where + path.rstrip("`")).strip(".") if where else path.rstrip("`").lstrip(".")
+        if unknown:
+            field = f"{field}.{unknown.group(1)}" if field else unknown.group(1)
+            message = f"unknown key {unknown.group(1)!r}"
         raise ConfigError(field or "config", message) from None
 
 
-__all__ = ["ActivationConfig", "ConfigError", "EngineConfig", "RunConfig", "SamplingSettings",
-           "convert", "load_config"]
+__all__ = ["ActivationConfig", "ConfigError", "EngineConfig", "EngineOverride", "HttpConfig", "RunConfig",
+           "RunSection", "SamplingSettings", "SchedulerConfig", "TaskConfig", "TrainerConfig",
+           "TransportConfig", "convert", "default_config", "load_config"]
