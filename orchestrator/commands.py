@@ -15,7 +15,7 @@ def register(sub, bench_sub) -> None:
         "init", help="build a Qwen2-architecture model with random weights and a locally trained tokenizer")
     init.add_argument("dir", help="output directory (must not exist or be empty)")
     init.add_argument("--seed", type=int, default=0, help="weights seed; the same seed gives identical files")
-    init.add_argument("--preset", choices=["tiny", "small"], default="tiny",
+    init.add_argument("--preset", choices=sorted(__import__("orchestrator.model", fromlist=["PRESETS"]).PRESETS), default="tiny",
                       help="tiny: ~0.5M parameters (tests); small: ~70M (benchmarks)")
     init.set_defaults(func=cmd_model_init)
 

@@ -38,6 +38,9 @@ class ModelPreset(msgspec.Struct, frozen=True):
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     corpus_bytes: int = 2_000_000
+    # Standard deviation of the random matrices: 0.08 makes sampled tokens (and hence logprob
+    # comparisons) informative; 0.02 gives the near-uniform start that RL learns from quickly.
+    init_std: float = 0.08
 
 
 # Head size 32 (tiny) and 64 (small): both accepted by vLLM's CPU attention backend.
@@ -47,6 +50,11 @@ PRESETS: dict[str, ModelPreset] = {
     "tiny": ModelPreset(vocab_size=1024, hidden_size=128, intermediate_size=256,
                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                         max_position_embeddings=32768, corpus_bytes=1_000_000),
+    # The RL toy model: tiny's shapes with a narrow init, so the first policy is close to
+    # uniform and a few dozen GRPO steps visibly move it (examples/, tests/unit/test_trainer_loss.py).
+    "tiny-rl": ModelPreset(vocab_size=1024, hidden_size=128, intermediate_size=256,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           max_position_embeddings=4096, corpus_bytes=1_000_000, init_std=0.02),
     "small": ModelPreset(vocab_size=4096, hidden_size=768, intermediate_size=2048,
                          num_hidden_layers=10, num_attention_heads=12, num_key_value_heads=4,
                          corpus_bytes=4_000_000),
@@ -134,13 +142,12 @@ def build_model(out_dir: str | os.PathLike, preset: str = "tiny", seed: int = 0)
     )
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config).to(torch.float32)
-    # A random init with std 0.02 gives nearly uniform next-token distributions; a wider spread
-    # makes sampled tokens (and hence logprob comparisons) more informative.
+    # The preset's init_std: see ModelPreset.
     with torch.no_grad():
         gen = torch.Generator().manual_seed(seed)
         for _, param in sorted(model.named_parameters()):
             if param.dim() >= 2:
-                param.normal_(0.0, 0.08, generator=gen)
+                param.normal_(0.0, spec.init_std, generator=gen)
     n_params = count_parameters(model)
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -186,12 +193,32 @@ def check_model_dir(path: str | os.PathLike) -> Path:
 
 
 def ensure_model(path: str | os.PathLike, preset: str = "tiny", seed: int = 0) -> Path:
-    """Build the model at path unless a complete one is already there (used by make run)."""
+    """Build the model at path unless a complete one is already there (used by make run).
+
+    A directory built with another preset or seed is refused, not reused: a run that asked for
+    tiny-rl must never silently train a tiny model left behind by an earlier run.
+    """
     p = Path(path)
     if (p / "config.json").is_file() and any(p.glob("*.safetensors")):
+        _check_built_as(p, preset, seed)
         return p
     build_model(p, preset=preset, seed=seed)
     return p
+
+
+def _check_built_as(path: Path, preset: str, seed: int) -> None:
+    meta_path = path / "inflight_model.json"
+    if not meta_path.is_file():
+        raise ModelError(path, f"no inflight_model.json: cannot tell whether it is preset {preset!r} seed {seed}; "
+                               "remove the directory or point to another one")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelError(path, f"unreadable inflight_model.json: {exc}") from None
+    built = (meta.get("preset"), meta.get("seed"))
+    if built != (preset, seed):
+        raise ModelError(path, f"built with preset {built[0]!r} seed {built[1]}, but preset {preset!r} seed {seed} "
+                               "was asked for; remove the directory or point to another one")
 
 
 if __name__ == "__main__":  # pragma: no cover - convenience: python -m orchestrator.model DIR

@@ -15,7 +15,8 @@ from typing import Any
 import structlog
 import torch
 
-from transports.base import BucketReceiver, TransportConfigError, TransportError
+from transports.errors import TransportConfigError, TransportError
+from transports.protocols import BucketReceiver
 from transports.refit.plan import RefitPlan
 from transports.staging import StagingArea
 

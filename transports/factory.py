@@ -23,12 +23,11 @@ from typing import TYPE_CHECKING, Literal
 
 import msgspec
 
-from transports.base import (
+from transports.errors import TransportConfigError, TransportUnavailableError
+from transports.protocols import EngineWeightControl
+from transports.synchronizer import (
     DeviceHandoverHooks,
-    EngineWeightControl,
     StateDictFn,
-    TransportConfigError,
-    TransportUnavailableError,
     WeightSynchronizer,
     engine_memory_fraction,
 )

@@ -37,8 +37,9 @@ import msgspec
 import structlog
 import torch
 
-from transports.base import BucketHeader, MissingTensorError, TensorMeta, TransportError, TransportTimeoutError
+from transports.errors import MissingTensorError, TransportError, TransportTimeoutError
 from transports.staging import ReplayPipeline, StagingArea
+from transports.wire import BucketHeader, TensorMeta
 
 log = structlog.get_logger("transports.filesystem")
 

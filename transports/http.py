@@ -28,8 +28,9 @@ from typing import Any
 import structlog
 import torch
 
-from transports.base import BucketHeader, TransportError, TransportTimeoutError, decode_header, encode_header
+from transports.errors import TransportError, TransportTimeoutError
 from transports.staging import ReplayPipeline, StagingArea
+from transports.wire import BucketHeader, decode_header, encode_header
 
 log = structlog.get_logger("transports.http")
 

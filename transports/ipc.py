@@ -31,8 +31,9 @@ import structlog
 import torch
 import zmq
 
-from transports.base import BucketHeader, TransportError, TransportTimeoutError, decode_header, encode_header
+from transports.errors import TransportError, TransportTimeoutError
 from transports.staging import StagingArea
+from transports.wire import BucketHeader, decode_header, encode_header
 
 log = structlog.get_logger("transports.ipc")
 

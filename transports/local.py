@@ -3,7 +3,7 @@ call: the "engine" of process-to-process tests and of `inflight bench transports
 
 The child keeps the last applied state dict (`live()`), so a test can compare it with what the
 trainer sent; `rss_baseline()` / `rss_start()` / `rss_stop()` measure its peak resident memory
-for the benchmark (`transports.bench.PeakRss`).
+for the benchmark (`transports.rss.PeakRss`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import multiprocessing as mp
 import traceback
 from typing import Any
 
-from transports.base import TransportError, TransportTimeoutError
+from transports.errors import TransportError, TransportTimeoutError
 
 
 def _child(conn, transport: str, preallocate: dict[str, tuple[tuple[int, ...], str]] | None) -> None:
@@ -55,7 +55,7 @@ def _child(conn, transport: str, preallocate: dict[str, tuple[tuple[int, ...], s
             if method == "live":
                 result: Any = {k: v.clone() for k, v in live.items()} if args else sorted(live)
             elif method.startswith("rss_"):
-                from transports.bench import PeakRss
+                from transports.rss import PeakRss
 
                 if method == "rss_baseline":
                     rss = PeakRss()
@@ -70,10 +70,12 @@ def _child(conn, transport: str, preallocate: dict[str, tuple[tuple[int, ...], s
             elif method == "kv_scales":
                 result = endpoint.kv_scales
             elif method == "bench_reference":  # the raw reference receivers of the benchmark
-                from transports import bench
+                from transports import references
 
                 name, kwargs = args
-                result = getattr(bench, name)(destination, **kwargs)
+                if not name.startswith("ref_"):
+                    raise TransportError(f"unknown reference receiver {name!r}")
+                result = getattr(references, name)(destination, **kwargs)
             else:
                 result = getattr(endpoint, method)(*args)
             conn.send(("ok", result))

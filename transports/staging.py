@@ -18,20 +18,23 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import torch
 
-from transports.base import (
-    BucketHeader,
+from transports.errors import (
     ChecksumError,
     MissingTensorError,
     RefitMismatchError,
     TransportError,
     TransportTimeoutError,
     TruncatedBucketError,
-    checksum,
 )
-from transports.refit.plan import Cast, Fp8BlockQuant, PlanEntry, RefitPlan, fp8_block_quantize, parse_dtype
+from transports.refit.views import Cast, Fp8BlockQuant, fp8_block_quantize, parse_dtype
+from transports.wire import BucketHeader, checksum
+
+if TYPE_CHECKING:
+    from transports.refit.plan import PlanEntry, RefitPlan
 
 
 class StagingArea:

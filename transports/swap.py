@@ -6,12 +6,24 @@ JSON string argument (a server's `/collective_rpc` passes strings only) and retu
 
     swap_init(cfg)         {"plan": RefitPlan json, "root": filesystem root, "strategy":
                             "pause_swap" | "double_buffer", "timeout_s": ...}
-    swap_stage(req)        {"version": v, "attempt": a}: starts staging v on a thread pinned off
-                            the worker's core and returns at once (the engine keeps generating);
+    swap_stage(req)        {"version": v}: starts staging the *committed* version v (its
+                            `RUN_ROOT/vNNNNNNNN/COMPLETE` marker written) on a thread pinned off
+                            the worker's core and returns at once (the engine keeps generating).
+                            The attempt staged is read from the committed files. With
+                            {"version": v, "attempt": a} buckets of attempt a are streamed as they
+                            are written, but the version is reported staged only once COMPLETE
+                            exists and the committed files are the ones read (that attempt, same
+                            checksums); either wait is bounded by `timeout_s`.
                             {"version": v, "base_dir": d, "lora_dir": a} stages base d with the
-                            PEFT adapter a merged in (a LoRA update, see `merge_lora`)
-    swap_status()          {"state": idle|staging|staged|failed, "version", "error", "seconds"}
-    swap_drop()            forgets whatever is staged (a failed activation)
+                            PEFT adapter a merged in (a LoRA update, see `merge_lora`).
+                            Refused (RuntimeError "previous staging still running") while a
+                            dropped stage's thread still runs after a bounded wait (`join_s`,
+                            default 2 s): two threads never write one shadow.
+    swap_status()          {"state": idle|staging|staged|failed, "version", "attempt", "error",
+                            "seconds"}
+    swap_drop()            forgets whatever is staged (a failed activation); a stage still
+                            waiting or receiving stops at its next check, before it touches
+                            the shadow
     swap_apply()           staged -> live. pause_swap: copies the staged tensors into the live
                             weights (vLLM's layerwise reload; call it while paused). double_buffer:
                             exchanges every parameter's `.data` and each layer's `cpu_linear`
@@ -25,13 +37,13 @@ JSON string argument (a server's `/collective_rpc` passes strings only) and retu
     swap_load_dir(req)     {"path": dir}: load every safetensors file there into the live
                             weights (the load-in-pause baseline of `inflight bench activation`)
     swap_requests()        {request id: output tokens so far}
-    swap_lora_*            see `LoraSwap` below.
 
-Double buffering keeps a second, engine-ready copy of the model (a "shadow": every parameter
-cloned, module tree shared otherwise) and loads a new version into it with vLLM's own layerwise
-reload, so every post-processing step (on CPU: the oneDNN repacking of linear weights, most of a
-reload's time) runs off-pause on the staging thread. After a flip the shadow holds the previous
-version: it is the rollback target until the next version is staged into it.
+Double buffering keeps a second, engine-ready copy of the model (a "shadow", see
+`transports.shadow`) and loads a new version into it with vLLM's own layerwise reload, so every
+post-processing step (on CPU: the oneDNN repacking of linear weights, most of a reload's time)
+runs off-pause on the staging thread. After a flip the shadow holds the previous version: it is
+the rollback target until the next version is staged into it. LoRA merging lives in
+`transports.lora`.
 
 Light imports only (torch, safetensors, vLLM, this package); never `orchestrator` or `replay`.
 """
@@ -46,9 +58,23 @@ from typing import Any
 
 import torch
 
+from transports.lora import load_safetensors_dir, merge_lora
+from transports.shadow import (  # re-exported: importable from `transports.swap` as before
+    clone_for_shadow,
+    flip,
+    module_pairs,
+    reload_into,
+    share_reload_metadata,
+    staging_cpus,
+)
 from transports.vllm_backend import InflightWorkerExtension
 
+__all__ = ["STRATEGIES", "SwapWorkerExtension", "clone_for_shadow", "flip", "load_safetensors_dir", "merge_lora",
+           "module_pairs", "reload_into", "share_reload_metadata", "staging_cpus"]
+
 STRATEGIES = ("pause_swap", "double_buffer")
+#: How long `swap_stage` waits for a dropped staging thread to end before refusing.
+DEFAULT_JOIN_S = 2.0
 
 
 def _parse(arg: Any) -> dict:
@@ -59,150 +85,8 @@ def _parse(arg: Any) -> dict:
     return json.loads(arg)
 
 
-def staging_cpus(worker_cpus: set[int]) -> set[int]:
-    """Cores for the staging thread: every allowed core the worker's forward thread is not
-    pinned to (the same set when the worker owns them all, e.g. a 1-core machine)."""
-    allowed = set(os.sched_getaffinity(0)) | set(range(os.cpu_count() or 1))
-    others = allowed - set(worker_cpus)
-    return others or set(worker_cpus)
-
-
-def clone_for_shadow(model: torch.nn.Module) -> torch.nn.Module:
-    """A second model with its own parameters and buffers and the same module attributes
-    otherwise (KV caches, attention backends, quant methods are shared, never copied).
-    Tied parameters stay tied."""
-    memo: dict[int, Any] = {}
-
-    def clone_tensor(t: torch.Tensor | None):
-        if t is None:
-            return None
-        if id(t) in memo:
-            return memo[id(t)]
-        data = t.data.clone()
-        if isinstance(t, torch.nn.Parameter):
-            new = torch.nn.Parameter(data, requires_grad=False)
-            new.__class__ = t.__class__
-            new.__dict__.update(t.__dict__)
-        else:
-            new = data
-        memo[id(t)] = new
-        return new
-
-    def clone(module: torch.nn.Module) -> torch.nn.Module:
-        if id(module) in memo:
-            return memo[id(module)]
-        new = module.__class__.__new__(module.__class__)
-        new.__dict__ = dict(module.__dict__)
-        memo[id(module)] = new
-        new._parameters = {k: clone_tensor(p) for k, p in module._parameters.items()}
-        new._buffers = {k: clone_tensor(b) for k, b in module._buffers.items()}
-        new._non_persistent_buffers_set = set(module._non_persistent_buffers_set)
-        new._modules = {k: (clone(m) if m is not None else None) for k, m in module._modules.items()}
-        return new
-
-    return clone(model)
-
-
-def module_pairs(live: torch.nn.Module, shadow: torch.nn.Module) -> list[tuple[torch.nn.Module, torch.nn.Module]]:
-    pairs = list(zip(live.modules(), shadow.modules(), strict=True))
-    for a, b in pairs:
-        if type(a) is not type(b):
-            raise RuntimeError(f"shadow model differs from the live one at {type(a).__name__}")
-    return pairs
-
-
-def flip(live: torch.nn.Module, shadow: torch.nn.Module) -> int:
-    """Exchanges the weights of `live` and `shadow`: every parameter's (and buffer's) `.data`
-    and every layer's `cpu_linear` handle. An involution: a second flip restores both."""
-    seen: set[int] = set()
-    swapped = 0
-    for a, b in module_pairs(live, shadow):
-        for table in ("_parameters", "_buffers"):
-            ta, tb = getattr(a, table), getattr(b, table)
-            for name, pa in ta.items():
-                pb = tb.get(name)
-                if pa is None or pb is None or id(pa) in seen:
-                    continue
-                seen.add(id(pa))
-                if pa is pb:
-                    continue
-                pa.data, pb.data = pb.data, pa.data
-                swapped += 1
-        if "cpu_linear" in a.__dict__ or "cpu_linear" in b.__dict__:
-            ha, hb = a.__dict__.get("cpu_linear"), b.__dict__.get("cpu_linear")
-            a.cpu_linear, b.cpu_linear = hb, ha
-    return swapped
-
-
-def reload_into(model: torch.nn.Module, weights: dict[str, torch.Tensor], model_config) -> None:
-    """Loads `weights` (engine names) through vLLM's layerwise reload, which re-runs every
-    layer's post-processing (never `model.load_weights` alone on CPU)."""
-    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
-
-    initialize_layerwise_reload(model)
-    model.load_weights(iter(weights.items()))
-    finalize_layerwise_reload(model, model_config)
-
-
-def share_reload_metadata(live: torch.nn.Module, shadow: torch.nn.Module) -> None:
-    """The layerwise reload restores each layer from metadata recorded when the live model
-    loaded; the shadow's layers reuse it."""
-    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
-
-    for a, b in module_pairs(live, shadow):
-        src, dst = get_layerwise_info(a), get_layerwise_info(b)
-        params, buffers = src.restore_metadata
-        dst.restore_metadata = ({k: _copy_meta(t, a, b) for k, t in params.items()},
-                                {k: _copy_meta(t, a, b) for k, t in buffers.items()})
-        dst.restore_device = src.restore_device
-
-
-def _copy_meta(tensor: torch.Tensor, live: torch.nn.Module, shadow: torch.nn.Module) -> torch.Tensor:
-    """A private copy of one recorded meta tensor: the reload registers these very objects on
-    the layer and rebinds their weight loaders to it, so live and shadow must not share them."""
-    from types import MethodType
-
-    new = torch.empty_strided(tuple(tensor.size()), tuple(tensor.stride()), dtype=tensor.dtype, device="meta")
-    new.__class__ = tensor.__class__
-    attrs = {}
-    for key, value in tensor.__dict__.items():
-        while callable(value) and getattr(value, "__name__", "") == "online_process_loader":
-            value = value.__wrapped__  # a reload's wrapper, bound to the live layer's progress
-        if isinstance(value, MethodType) and value.__self__ is live:
-            value = value.__func__.__get__(shadow)
-        attrs[key] = value
-    new.__dict__ = attrs
-    return new
-
-
-def merge_lora(base_dir: str, lora_dir: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Base weights (every safetensors file of `base_dir`) with a PEFT-format adapter
-    (`adapter_config.json` r / lora_alpha, `adapter_model.safetensors` lora_A / lora_B) merged:
-    W + (alpha / r) * B @ A. Staged like any version, so the adapter lands beside the serving
-    copy and is swapped in by a flip between two engine steps."""
-    import glob
-
-    from safetensors.torch import load_file
-
-    base: dict[str, torch.Tensor] = {}
-    for file in sorted(glob.glob(os.path.join(base_dir, "*.safetensors"))):
-        base.update(load_file(file))
-    with open(os.path.join(lora_dir, "adapter_config.json")) as f:
-        config = json.load(f)
-    scale = float(config["lora_alpha"]) / float(config["r"])
-    adapter = load_file(os.path.join(lora_dir, "adapter_model.safetensors"))
-    for key, a in adapter.items():
-        if ".lora_A." not in key:
-            continue
-        b = adapter[key.replace(".lora_A.", ".lora_B.")]
-        module = key.split(".lora_A.")[0]
-        if module.startswith("base_model.model."):
-            module = module[len("base_model.model."):]
-        name = module + ".weight"
-        if name not in base:
-            raise KeyError(f"adapter targets {name}, which the base model does not have")
-        base[name] = base[name].float() + scale * (b.float() @ a.float())
-    return {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in base.items()}
+class StagingDropped(Exception):
+    """A staging thread noticed that its stage was dropped; it stops before writing anything."""
 
 
 class _Stager:
@@ -212,16 +96,34 @@ class _Stager:
         self.lock = threading.Lock()
         self.state = "idle"
         self.version: int | None = None
-        self.attempt = 0
+        self.attempt: int | None = 0
         self.error: str | None = None
         self.seconds = 0.0
         self.thread: threading.Thread | None = None
         self.generation = 0  # bumped by drop(): a thread of an older generation discards its result
+        self.cancel = threading.Event()  # set by drop(): the current thread stops at its next check
 
     def snapshot(self) -> dict:
         with self.lock:
             return {"state": self.state, "version": self.version, "attempt": self.attempt,
                     "error": self.error, "seconds": round(self.seconds, 4)}
+
+    def check(self, generation: int) -> None:
+        """Raises `StagingDropped` when the stage of `generation` was dropped meanwhile."""
+        with self.lock:
+            if self.generation != generation:
+                raise StagingDropped()
+
+    def wait_previous(self, join_s: float) -> None:
+        """Waits (at most `join_s`) for the previous staging thread to end; refuses while it
+        lives: two threads must never write one shadow."""
+        thread = self.thread
+        if thread is None or thread is threading.current_thread():
+            return
+        thread.join(max(0.0, join_s))
+        if thread.is_alive():
+            raise RuntimeError(f"previous staging still running (version {self.version}, thread {thread.name}); "
+                               f"waited {join_s:g} s")
 
 
 class SwapWorkerExtension(InflightWorkerExtension):
@@ -270,20 +172,28 @@ class SwapWorkerExtension(InflightWorkerExtension):
         with stager.lock:
             if stager.state == "staging":
                 raise RuntimeError(f"version {stager.version} is still being staged")
+        # A dropped stage's thread may still run (reloading the shadow): wait for it, bounded.
+        stager.wait_previous(float(s["cfg"].get("join_s", DEFAULT_JOIN_S)))
+        attempt = request.get("attempt")
+        with stager.lock:
+            if stager.state == "staging" or (stager.thread is not None and stager.thread.is_alive()):
+                raise RuntimeError(f"previous staging still running (version {stager.version})")
             stager.generation += 1
             generation = stager.generation
+            stager.cancel = threading.Event()
             stager.state, stager.version = "staging", int(request["version"])
-            stager.attempt, stager.error, stager.seconds = int(request.get("attempt", 0)), None, 0.0
-        s["staged"] = None
-        if s["cfg"].get("strategy") == "double_buffer" and not request.get("rollback"):
-            s["shadow_version"] = None  # about to be overwritten: no longer a rollback target
-        thread = threading.Thread(target=self._stage_thread, args=(generation, dict(request)),
-                                  name=f"inflight-stage-{request['version']}", daemon=True)
-        stager.thread = thread
+            stager.attempt = None if attempt is None else int(attempt)
+            stager.error, stager.seconds = None, 0.0
+            s["staged"] = None
+            if s["cfg"].get("strategy") == "double_buffer" and not request.get("rollback"):
+                s["shadow_version"] = None  # about to be overwritten: no longer a rollback target
+            thread = threading.Thread(target=self._stage_thread, args=(generation, dict(request), stager.cancel),
+                                      name=f"inflight-stage-{request['version']}", daemon=True)
+            stager.thread = thread
         thread.start()
         return stager.snapshot()
 
-    def _stage_thread(self, generation: int, request: dict) -> None:
+    def _stage_thread(self, generation: int, request: dict, cancel: threading.Event) -> None:
         s = self._swap()
         stager: _Stager = s["stager"]
         started = time.perf_counter()
@@ -295,12 +205,15 @@ class SwapWorkerExtension(InflightWorkerExtension):
             except (OSError, AttributeError):
                 pass
             delay = float(s["cfg"].get("stage_delay_s", 0.0))  # test hook: a slow transfer
-            if delay:
-                time.sleep(delay)
+            if delay and cancel.wait(delay):
+                raise StagingDropped()
             if request.get("lora_dir"):
                 weights = merge_lora(request["base_dir"], request["lora_dir"], self._model_config().dtype)
             else:
-                weights = self._receive(int(request["version"]), int(request.get("attempt", 0)))
+                attempt = request.get("attempt")
+                weights = self._receive(int(request["version"]), None if attempt is None else int(attempt),
+                                        generation)
+            stager.check(generation)  # dropped while receiving: leave the shadow alone
             prepared: Any = weights
             if s["cfg"].get("strategy") == "double_buffer":
                 self._prepare_shadow(weights)
@@ -313,6 +226,8 @@ class SwapWorkerExtension(InflightWorkerExtension):
                     s["shadow_version"] = int(request["version"])
                 stager.state = "staged"
                 stager.seconds = time.perf_counter() - started
+        except StagingDropped:
+            return
         except BaseException as exc:  # reported through swap_status
             with stager.lock:
                 if stager.generation == generation:
@@ -320,7 +235,9 @@ class SwapWorkerExtension(InflightWorkerExtension):
                     stager.error = f"{type(exc).__name__}: {exc}"
                     stager.seconds = time.perf_counter() - started
 
-    def _receive(self, version: int, attempt: int) -> dict[str, torch.Tensor]:
+    def _receive(self, version: int, attempt: int | None, generation: int | None = None) -> dict[str, torch.Tensor]:
+        """Receives `version` through the filesystem transport and returns it once committed.
+        `attempt=None`: the committed attempt (read from the committed files)."""
         from transports.filesystem import FilesystemReceiver
         from transports.staging import StagingArea
 
@@ -328,16 +245,20 @@ class SwapWorkerExtension(InflightWorkerExtension):
         plan = s["plan"]
         if plan is None:
             raise RuntimeError("swap_init carried no refit plan")
+        stager: _Stager = s["stager"]
         receiver = FilesystemReceiver(s["cfg"]["root"], arena_bytes=plan.arena_bytes,
                                       timeout_s=float(s["cfg"].get("timeout_s", 60.0)))
-        staging = StagingArea(plan)
-        staging.begin(version, attempt)
         try:
-            receiver.receive(version, staging)
+            if attempt is None:
+                attempt = receiver.committed_attempt(version)
+                with stager.lock:
+                    if generation is None or stager.generation == generation:
+                        stager.attempt = attempt
+            staging = StagingArea(plan)
+            staging.begin(version, attempt)
+            receiver.receive(version, staging, committed=True)
         finally:
-            close = getattr(receiver, "close", None)
-            if close is not None:
-                close()
+            receiver.close()
         return staging.finish()
 
     def _prepare_shadow(self, weights: dict[str, torch.Tensor]) -> None:
@@ -355,13 +276,16 @@ class SwapWorkerExtension(InflightWorkerExtension):
 
     def swap_drop(self, version: str | None = None) -> dict:
         """Drop what is staged (or being staged). With `version`, only if that is the version
-        staged: a late drop of an abandoned version must not drop a newer one (a rejoin)."""
+        staged: a late drop of an abandoned version must not drop a newer one (a rejoin). A
+        staging thread still running stops at its next check (it never writes the shadow after
+        it); `swap_stage` waits for it to end before starting another."""
         s = self._swap()
         stager: _Stager = s["stager"]
         with stager.lock:
             if version is not None and stager.version is not None and stager.version != int(version):
                 return stager.snapshot()
             stager.generation += 1
+            stager.cancel.set()
             stager.state, stager.error = "idle", None
             s["staged"] = None
             if s["cfg"] and s["cfg"].get("strategy") == "double_buffer":
@@ -446,17 +370,9 @@ class SwapWorkerExtension(InflightWorkerExtension):
     def swap_load_dir(self, req: str) -> dict:
         """Baseline: read a published checkpoint and reload the live model from it (call it
         while paused)."""
-        import glob
-
-        from safetensors.torch import load_file
-
         path = _parse(req)["path"]
         started = time.perf_counter()
-        dtype = self._model_config().dtype
-        weights: dict[str, torch.Tensor] = {}
-        for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
-            for name, tensor in load_file(file).items():
-                weights[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+        weights = load_safetensors_dir(path, self._model_config().dtype)
         with torch.no_grad():
             reload_into(self._live_model(), weights, self._model_config())
         return {"tensors": len(weights), "seconds": round(time.perf_counter() - started, 6),

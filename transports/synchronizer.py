@@ -1,4 +1,14 @@
-"""`TransportSynchronizer`: one `WeightSynchronizer` over any sender and vLLM's control plane.
+"""The weight-synchronizer interface (`WeightSynchronizer`, the contract a training loop drives),
+the colocated device hand-over hooks, and `TransportSynchronizer`: one `WeightSynchronizer`
+over any sender and vLLM's control plane.
+
+    init_communicator()            once, after engine workers exist
+    mark_stale()                   after every optimizer step
+    is_stale                       true between mark_stale() and the next successful sync
+    sync_weights(kv_scales=None)   transfer the latest weights (only the collective forwards kv_scales)
+    shutdown()                     release communication resources
+    prepare_refit_info()           {hf_name: (shape, dtype)} the producer packs and the consumer unpacks
+
 
 Per version, for every engine: `start_weight_update()`, then `update_weights({"version": v})`
 on a thread (its receiver waits for the buckets) while this thread packs and sends them, then
@@ -9,26 +19,126 @@ makes it live. Colocated transports run the device hand-over hooks around the re
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from transports.base import (
-    BucketSender,
-    DeviceHandoverHooks,
-    EngineWeightControl,
-    StateDictFn,
-    TransportError,
-    TransportTimeoutError,
-    WeightSynchronizer,
-)
-from transports.refit.plan import RefitPlan
+from transports.errors import TransportConfigError, TransportError, TransportTimeoutError
+from transports.protocols import BucketSender, EngineWeightControl
+from transports.wire import BucketHeader, RefitInfo
+
+if TYPE_CHECKING:
+    import torch
+
+    from transports.refit.plan import RefitPlan
 
 log = structlog.get_logger("transports.synchronizer")
+
+# ---------------------------------------------------------------------------------------------
+# colocated device hand-over
+
+
+@dataclass
+class DeviceHandoverHooks:
+    """What a colocated transport does with the shared device around a refit.
+
+    The trainer and the engine share one device; a refit needs room on it for the engine's
+    new weights, so the optimizer state moves out first and the engine is readied after.
+    """
+
+    offload_optimizer: Callable[[], None] = lambda: None
+    prepare_for_generation: Callable[[], None] = lambda: None
+    offload_after_refit: Callable[[], None] = lambda: None
+    calls: list[str] = field(default_factory=list)
+
+    def run(self, name: str) -> None:
+        self.calls.append(name)
+        getattr(self, name)()
+
+
+def engine_memory_fraction(colocated: bool, max_colocated_worker_groups: int = 1) -> float:
+    """Share of the device an engine claims: a dedicated engine takes all of it; a colocated
+    one leaves room for the trainer's worker groups."""
+    if not colocated:
+        return 1.0
+    return min(0.2, 1.0 / max(1, max_colocated_worker_groups))
+
+
+# ---------------------------------------------------------------------------------------------
+# the synchronizer
+
+
+StateDictFn = Callable[[], Mapping[str, "torch.Tensor"]]
+
+
+class WeightSynchronizer(abc.ABC):
+    """Moves the trainer's latest weights into every engine; the training loop drives it."""
+
+    transport_name: str = "abstract"
+    forwards_kv_scales: bool = False
+
+    def __init__(self, plan: RefitPlan, state_dict: StateDictFn):
+        self.plan = plan
+        self._state_dict = state_dict
+        self._stale = False
+        self._version = 0
+        self._lock = threading.Lock()
+
+    # -- contract ---------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def init_communicator(self) -> None:
+        """Called once after engine workers exist."""
+
+    def mark_stale(self) -> None:
+        with self._lock:
+            self._stale = True
+            self._version += 1
+
+    @property
+    def is_stale(self) -> bool:
+        return self._stale
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def sync_weights(self, kv_scales: Mapping[str, float] | None = None) -> int:
+        """Transfers the latest weights; returns the version sent. Stays stale on failure."""
+        if kv_scales is not None and not self.forwards_kv_scales:
+            # Only the collective path carries kv_scales (FP8 KV cache calibration); the others
+            # would silently drop them, which is worse than refusing.
+            raise TransportConfigError(f"the {self.transport_name} transport does not forward kv_scales")
+        version = self._version
+        self._transfer(version, dict(kv_scales) if kv_scales is not None else None)
+        with self._lock:
+            if self._version == version:
+                self._stale = False
+        return version
+
+    @abc.abstractmethod
+    def _transfer(self, version: int, kv_scales: dict[str, float] | None) -> None: ...
+
+    @abc.abstractmethod
+    def shutdown(self) -> None: ...
+
+    def prepare_refit_info(self) -> RefitInfo:
+        return self.plan.refit_info()
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _buckets(self, version: int, kv_scales: dict[str, float] | None = None) -> Iterable[tuple[BucketHeader, memoryview]]:
+        return self.plan.pack(self._state_dict(), version=version, kv_scales=kv_scales)
+
+
+# ---------------------------------------------------------------------------------------------
+# one synchronizer over any sender
 
 
 def run_alongside(calls: Sequence[Callable[[], Any]], main: Callable[[], Any], timeout_s: float, what: str) -> None:

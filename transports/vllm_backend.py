@@ -33,7 +33,7 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-from transports.base import TransportError, TransportTimeoutError, describe_error, rebuild_error
+from transports.errors import TransportError, TransportTimeoutError, describe_error, rebuild_error
 from transports.endpoint import ReceivingEndpoint
 
 BACKENDS = {

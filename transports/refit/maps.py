@@ -28,7 +28,7 @@ from typing import Protocol
 
 import torch
 
-from transports.refit.plan import Select, Slice, Transpose, ViewOp
+from transports.refit.views import Select, Slice, Transpose, ViewOp
 
 Meta = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
 Mapped = list[tuple[str, str, tuple[ViewOp, ...]]]

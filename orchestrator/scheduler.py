@@ -1,0 +1,497 @@
+"""The rollout scheduler: a pure state machine (events in, actions out, no awaits).
+
+It decides which rollouts to dispatch, where, when to hand a batch to the trainer, and what
+becomes of every rollout; the loop (`orchestrator.loop`) performs its actions and feeds the
+outcomes back. Like `activation.ActivationCoordinator`, it never does I/O, so its invariants
+are tested over random event sequences (tests/unit/test_scheduler.py):
+
+* every dispatched rollout gets exactly one `Terminal` (completed / dropped(reason) /
+  errored(kind)), and nothing else does;
+* no sample reaches the trainer beyond `max_off_policy_steps`: a batch for step s only holds
+  rollouts dispatched at version v with (s - 1) - v <= max_off_policy_steps;
+* admission keeps the rollouts dispatched but not yet consumed (in flight or completed and
+  waiting) within (max_off_policy_steps + 1) x batch size;
+* a completed rollout is consumed at most once, or discarded at most once, never both.
+
+Versions and steps (one convention, DESIGN.md): the base model is version 0; trainer step s
+trains from version s - 1 and produces version s; a sample consumed by step s has staleness
+(s - 1) - dispatched_version, so a synchronous run has staleness 0.
+
+Groups: GRPO samples every prompt `group_size` times. A group is dispatched at once to the
+least-loaded serving engines; an errored member is replaced by a new rollout in the same group
+(at most `max_retries` times per group, then the group is dropped: its in-flight members are
+aborted and its completed ones discarded, reason "group_failed"). A group that can no longer
+reach a trainer step within the staleness bound is dropped at once: in-flight members are
+aborted (`dropped: stale`), completed ones discarded (`stale`).
+
+Rollout ids are `group_id * ROLLOUT_ID_STRIDE + k` (k counts the group's dispatches), so ids
+are unique per run and deterministic: the prompt of a group is the task's prompt number
+`group_id`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from orchestrator.config import SchedulerConfig
+
+ROLLOUT_ID_STRIDE = 10_000
+
+# Drop reasons and discard reasons (the strings replay.records stores).
+STALE = "stale"
+SHUTDOWN = "shutdown"
+GROUP_FAILED = "group_failed"
+ABORTED = "aborted"  # aborted by something other than the scheduler (an activation's abort policy)
+TRAINER_LOST = "trainer_lost"
+
+
+# ---------------------------------------------------------------------------------------------
+# Actions
+
+
+@dataclass(frozen=True, kw_only=True)
+class Dispatch:
+    rollout_id: int
+    group_id: int
+    engine: str
+    version: int  # the live version as the scheduler knows it (the fleet records the true one, >= this)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Abort:
+    """Abort these rollouts on `engine`; each comes back as `Finished` (aborted or, if it
+    finished first, completed: an abort that arrives late is harmless)."""
+
+    engine: str
+    rollout_ids: tuple[int, ...]
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Terminal:
+    """Write the rollout's one terminal record."""
+
+    rollout_id: int
+    status: Literal["completed", "dropped", "errored"]
+    reason: str | None = None  # drop reason or error kind
+    message: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SubmitBatch:
+    step: int
+    group_ids: tuple[int, ...]
+    rollout_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Discard:
+    """Completed rollouts that no trainer step will consume."""
+
+    rollout_ids: tuple[int, ...]
+    reason: str
+    step: int | None = None
+
+
+Action = Dispatch | Abort | Terminal | SubmitBatch | Discard
+
+
+# ---------------------------------------------------------------------------------------------
+# Events
+
+
+@dataclass(frozen=True, kw_only=True)
+class Finished:
+    rollout_id: int
+    outcome: Literal["completed", "aborted", "errored"]
+    kind: str = ""  # error kind (snake_case) when errored
+    message: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineDown:
+    engine: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineUp:
+    engine: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class VersionLive:
+    version: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepDone:
+    step: int
+    version: int | None  # the version the step published (None: publish cadence skipped it)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerLost:
+    step: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Stop:
+    pass
+
+
+Event = Finished | EngineDown | EngineUp | VersionLive | StepDone | TrainerLost | Stop
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Member:
+    rollout_id: int
+    group_id: int
+    engine: str | None
+    version: int
+    state: str = "inflight"  # inflight, completed, ended (dropped or errored)
+    abort_reason: str | None = None
+
+
+@dataclass
+class _Group:
+    group_id: int
+    version: int  # the version its first member was dispatched at (<= every member's)
+    members: dict[int, _Member] = field(default_factory=dict)
+    dispatched: int = 0  # dispatches so far (the next rollout id's suffix)
+    retries: int = 0
+    state: str = "open"  # open, complete, consumed, dead
+    dead_reason: str | None = None
+
+    def live_members(self) -> list[_Member]:
+        return [m for m in self.members.values() if m.state in ("inflight", "completed")]
+
+    def completed(self) -> list[_Member]:
+        return [m for m in self.members.values() if m.state == "completed"]
+
+    def inflight(self) -> list[_Member]:
+        return [m for m in self.members.values() if m.state == "inflight"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RestoredRollout:
+    rollout_id: int
+    version: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class RestoredGroup:
+    """A group found in the log on --resume: its completed, unconsumed rollouts."""
+
+    group_id: int
+    version: int
+    completed: tuple[RestoredRollout, ...]
+    dispatched: int  # rollouts the group already dispatched (ids are never reused)
+    retries: int = 0
+
+
+class SchedulerError(RuntimeError):
+    """An event the scheduler's state does not allow (a bug in the caller)."""
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, engines: Iterable[str], *, max_steps: int,
+                 done_steps: int = 0, live_version: int = 0, published_version: int | None = None,
+                 next_group_id: int = 0) -> None:
+        self.config = config.validate()
+        self.k = config.max_off_policy_steps
+        self.n = config.group_size
+        self.batch_size = config.batch_size
+        self.max_steps = max_steps
+        self.engines: dict[str, int] = {e: 0 for e in engines}  # serving engine -> rollouts in flight
+        if not self.engines:
+            raise SchedulerError("no engine")
+        self.down: set[str] = set()
+        self.done_steps = done_steps
+        self.live = live_version
+        self.published = done_steps if published_version is None else published_version
+        self.batch_step: int | None = None  # the step whose batch the trainer holds
+        self.submitted_steps = done_steps
+        self.next_group_id = next_group_id
+        self.groups: dict[int, _Group] = {}
+        self.rollouts: dict[int, _Member] = {}  # in flight
+        self.stopping = False
+        self.terminals = 0
+        self._batch: tuple[int, ...] = ()
+
+    # -- queries -----------------------------------------------------------------------------
+    @property
+    def inflight(self) -> int:
+        return len(self.rollouts)
+
+    @property
+    def outstanding(self) -> int:
+        """Rollouts dispatched and not yet consumed or ended: in flight, completed and waiting, or
+        in the batch the trainer is stepping on (consumed once its step is done). Counting that
+        batch is what makes (k + 1) x batch size the bound at which nothing goes stale in steady
+        state: a rollout admitted now, at version v >= s - 1 while the trainer steps on s, is
+        consumed by step s + k at the latest, with staleness (s + k - 1) - (s - 1) = k."""
+        return sum(len(g.live_members()) for g in self.groups.values())
+
+    @property
+    def admission_bound(self) -> int:
+        return (self.k + 1) * self.batch_size
+
+    @property
+    def next_step(self) -> int:
+        """The earliest step a group not yet handed to the trainer can be consumed by."""
+        return (self.batch_step if self.batch_step is not None else self.done_steps) + 1
+
+    def staleness_for(self, step: int, version: int) -> int:
+        return (step - 1) - version
+
+    @property
+    def finished(self) -> bool:
+        """Every step done (or stopping) and nothing in flight."""
+        return (self.done_steps >= self.max_steps or self.stopping) and not self.rollouts and self.batch_step is None
+
+    # -- set-up ------------------------------------------------------------------------------
+    def restore(self, groups: Iterable[RestoredGroup]) -> None:
+        """Groups of a crashed run whose completed rollouts no step consumed yet."""
+        for r in groups:
+            group = _Group(r.group_id, r.version, dispatched=r.dispatched, retries=r.retries)
+            for rollout in r.completed:
+                group.members[rollout.rollout_id] = _Member(rollout.rollout_id, r.group_id, None,
+                                                            rollout.version, state="completed")
+            self.groups[r.group_id] = group
+            self.next_group_id = max(self.next_group_id, r.group_id + 1)
+
+    def start(self) -> list[Action]:
+        return self._sweep_stale() + self._refill_all() + self._admit() + self._submit()
+
+    # -- events ------------------------------------------------------------------------------
+    def handle(self, event: Event) -> list[Action]:
+        if isinstance(event, Finished):
+            actions = self._finished(event)
+        elif isinstance(event, EngineDown):
+            if event.engine in self.engines:
+                self.down.add(event.engine)
+            actions = []
+        elif isinstance(event, EngineUp):
+            self.down.discard(event.engine)
+            actions = []
+        elif isinstance(event, VersionLive):
+            self.live = max(self.live, event.version)
+            actions = []
+        elif isinstance(event, StepDone):
+            actions = self._step_done(event)
+        elif isinstance(event, TrainerLost):
+            actions = self._trainer_lost(event)
+        elif isinstance(event, Stop):
+            return self._stop()
+        else:
+            raise SchedulerError(f"unknown event {event!r}")
+        if self.stopping:
+            return actions
+        return actions + self._sweep_stale() + self._refill_all() + self._admit() + self._submit()
+
+    def _finished(self, event: Finished) -> list[Action]:
+        member = self.rollouts.pop(event.rollout_id, None)
+        if member is None:
+            return []  # not in flight: a duplicate report; its terminal was written already
+        if member.engine in self.engines:
+            self.engines[member.engine] -= 1
+        group = self.groups[member.group_id]
+        self.terminals += 1
+        actions = self._outcome(member, group, event)
+        if group.state == "dead" and not group.inflight():
+            self.groups.pop(group.group_id, None)
+        return actions
+
+    def _outcome(self, member: _Member, group: _Group, event: Finished) -> list[Action]:
+        if event.outcome == "completed":
+            member.state = "completed"
+            actions: list[Action] = [Terminal(rollout_id=member.rollout_id, status="completed")]
+            if group.state == "dead":  # aborted too late: it finished first, nobody will consume it
+                member.state = "ended"
+                actions.append(Discard(rollout_ids=(member.rollout_id,), reason=group.dead_reason or STALE,
+                                       step=self.next_step))
+            elif len(group.completed()) == self.n and group.state == "open":
+                group.state = "complete"
+            return actions
+        member.state = "ended"
+        if event.outcome == "aborted":
+            reason = member.abort_reason or ABORTED
+            actions = [Terminal(rollout_id=member.rollout_id, status="dropped", reason=reason,
+                                message=event.message)]
+            if member.abort_reason is None:  # not ours (an activation's abort policy): replace it
+                actions += self._retry(group, f"rollout {member.rollout_id} aborted")
+            return actions
+        actions = [Terminal(rollout_id=member.rollout_id, status="errored", reason=event.kind or "error",
+                            message=event.message)]
+        return actions + self._retry(group, f"rollout {member.rollout_id} errored ({event.kind})")
+
+    def _retry(self, group: _Group, why: str) -> list[Action]:
+        if group.state != "open" or self.stopping:
+            return []
+        group.retries += 1
+        if group.retries > self.config.max_retries:
+            return self._kill_group(group, GROUP_FAILED)
+        return []  # _refill_all dispatches the replacement
+
+    def _step_done(self, event: StepDone) -> list[Action]:
+        if self.batch_step is None or event.step != self.batch_step:
+            raise SchedulerError(f"step {event.step} done, but the trainer holds {self.batch_step}")
+        self.done_steps = event.step
+        self.batch_step = None
+        self._batch = ()
+        if event.version is not None:
+            self.published = max(self.published, event.version)
+        for gid in [g for g, group in self.groups.items() if group.state == "consumed"]:
+            del self.groups[gid]
+        return []
+
+    def _trainer_lost(self, event: TrainerLost) -> list[Action]:
+        if self.batch_step is None or event.step != self.batch_step:
+            return []
+        lost = self._batch
+        self.batch_step, self._batch = None, ()
+        for gid in [g for g, group in self.groups.items() if group.state == "consumed"]:
+            del self.groups[gid]
+        self.submitted_steps = self.done_steps
+        return [Discard(rollout_ids=lost, reason=TRAINER_LOST, step=event.step)] if lost else []
+
+    def _stop(self) -> list[Action]:
+        if self.stopping:
+            return []
+        self.stopping = True
+        by_engine: dict[str, list[int]] = {}
+        for member in self.rollouts.values():
+            if member.abort_reason is None:
+                member.abort_reason = SHUTDOWN
+                by_engine.setdefault(member.engine or "", []).append(member.rollout_id)
+        return [Abort(engine=e, rollout_ids=tuple(ids), reason=SHUTDOWN) for e, ids in by_engine.items()]
+
+    # -- policy ------------------------------------------------------------------------------
+    def _sweep_stale(self) -> list[Action]:
+        """Groups that can no longer reach a step within the bound are dropped now."""
+        actions: list[Action] = []
+        step = self.next_step
+        for group in list(self.groups.values()):
+            if group.state in ("open", "complete") and self.staleness_for(step, group.version) > self.k:
+                actions += self._kill_group(group, STALE)
+        return actions
+
+    def _kill_group(self, group: _Group, reason: str) -> list[Action]:
+        group.state, group.dead_reason = "dead", reason
+        actions: list[Action] = []
+        done = tuple(m.rollout_id for m in group.completed())
+        for m in group.completed():
+            m.state = "ended"
+        if done:
+            actions.append(Discard(rollout_ids=done, reason=reason, step=self.next_step))
+        by_engine: dict[str, list[int]] = {}
+        for m in group.inflight():
+            if m.abort_reason is None:
+                m.abort_reason = reason
+                by_engine.setdefault(m.engine or "", []).append(m.rollout_id)
+        actions += [Abort(engine=e, rollout_ids=tuple(ids), reason=reason) for e, ids in by_engine.items()]
+        if not group.inflight():
+            del self.groups[group.group_id]
+        return actions
+
+    def _serving(self) -> list[str]:
+        return [e for e in self.engines if e not in self.down]
+
+    def _waiting_groups(self) -> int:
+        return sum(1 for g in self.groups.values() if g.state in ("open", "complete"))
+
+    def _groups_needed(self) -> int:
+        """Groups the remaining steps can still consume, minus those already on their way."""
+        remaining_steps = self.max_steps - self.submitted_steps
+        return remaining_steps * self.config.batch_groups - self._waiting_groups()
+
+    def _admit(self) -> list[Action]:
+        if self.stopping or not self._serving():
+            return []
+        actions: list[Action] = []
+        if self.config.mode == "sync":
+            # Each step waits for rollouts of the newest version: groups are admitted only while
+            # the trainer holds no batch and the newest published version is live, up to one batch.
+            if self.batch_step is not None or self.live < self.published:
+                return []
+            while (self._groups_needed() > 0 and self._waiting_groups() < self.config.batch_groups
+                   and self.outstanding + self.n <= self.admission_bound
+                   and self.inflight + self.n <= self.config.max_inflight):
+                actions += self._new_group()
+            return actions
+        while (self._groups_needed() > 0
+               and self.outstanding + self.n <= self.admission_bound
+               and self.inflight + self.n <= self.config.max_inflight
+               and self._fresh_when_consumed()):
+            actions += self._new_group()
+        return actions
+
+    def _fresh_when_consumed(self) -> bool:
+        """Would a group admitted now still be within the bound when its turn comes? Groups are
+        consumed oldest first, a batch at a time, so its step is at most done_steps +
+        ceil((outstanding + group_size) / batch_size). While versions go live promptly (live ==
+        done_steps) this is the (k + 1) x batch size bound; a lagging activation tightens it."""
+        turn = self.done_steps - (-(self.outstanding + self.n) // self.batch_size)
+        return self.staleness_for(turn, self.live) <= self.k
+
+    def _new_group(self) -> list[Action]:
+        group = _Group(self.next_group_id, self.live)
+        self.next_group_id += 1
+        self.groups[group.group_id] = group
+        return self._refill(group)
+
+    def _refill_all(self) -> list[Action]:
+        if self.stopping or not self._serving():
+            return []
+        actions: list[Action] = []
+        for group in self.groups.values():
+            if group.state == "open":
+                actions += self._refill(group)
+        return actions
+
+    def _refill(self, group: _Group) -> list[Action]:
+        """Dispatch members until the group has `group_size` live ones."""
+        actions: list[Action] = []
+        serving = self._serving()
+        if not serving:
+            return actions
+        while len(group.live_members()) < self.n:
+            if group.dispatched >= ROLLOUT_ID_STRIDE:
+                return actions + self._kill_group(group, GROUP_FAILED)
+            engine = min(serving, key=lambda e: self.engines[e])
+            rid = group.group_id * ROLLOUT_ID_STRIDE + group.dispatched
+            group.dispatched += 1
+            member = _Member(rid, group.group_id, engine, max(self.live, group.version))
+            group.members[rid] = member
+            self.rollouts[rid] = member
+            self.engines[engine] += 1
+            actions.append(Dispatch(rollout_id=rid, group_id=group.group_id, engine=engine, version=member.version))
+        return actions
+
+    def _submit(self) -> list[Action]:
+        if self.batch_step is not None or self.stopping or self.submitted_steps >= self.max_steps:
+            return []
+        step = self.done_steps + 1
+        ready = sorted((g for g in self.groups.values()
+                        if g.state == "complete" and self.staleness_for(step, g.version) <= self.k),
+                       key=lambda g: g.group_id)
+        if len(ready) < self.config.batch_groups:
+            return []
+        chosen = ready[: self.config.batch_groups]
+        rollout_ids: list[int] = []
+        for group in chosen:
+            group.state = "consumed"
+            rollout_ids += sorted(m.rollout_id for m in group.completed())
+        self.batch_step = step
+        self.submitted_steps = step
+        self._batch = tuple(rollout_ids)
+        return [SubmitBatch(step=step, group_ids=tuple(g.group_id for g in chosen), rollout_ids=tuple(rollout_ids))]
+
+
+def group_of(rollout_id: int) -> int:
+    return rollout_id // ROLLOUT_ID_STRIDE
