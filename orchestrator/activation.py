@@ -271,6 +271,7 @@ class ActivationCoordinator:
         self.runs: dict[str, _EngineRun] = {}
         self.started_at = 0.0
         self._applied = False
+        self._kv_kept = False
         self.messages: list[str] = []
         self._token = 0
         self.history: list[Record] = []
@@ -310,6 +311,7 @@ class ActivationCoordinator:
         participants = [e for e in self.engines if e not in self.fenced and e not in self.rejoining]
         self.version, self.rollback, self.started_at, self.messages = version, rollback, at, []
         self._applied = False
+        self._kv_kept = False
         if not participants:
             return self._finish(at, FAILED, "no engine serves: all are fenced")
         self.runs = {e: _EngineRun() for e in participants}
@@ -515,7 +517,13 @@ class ActivationCoordinator:
             late = [e for e, r in self.runs.items() if r.step == "stage"]
             return self._abort_staging(at, f"staging timed out after {self.timeouts.stage_s}s on {', '.join(late)}")
         if self.phase == DRAINING:
-            self.messages.append("drain timed out: the rest were recomputed")
+            if self.pauses:
+                self.messages.append("drain timed out: the rest were recomputed during the pause")
+            else:
+                # The pause-free flip has no pause to recompute in: the requests still running
+                # keep the keys/values of the old weights.
+                self.messages.append("drain timed out: the rest kept old keys/values (no pause to recompute in)")
+                self._kv_kept = True
             for r in self.runs.values():
                 if not r.failed:
                     r.step = "drained"
@@ -600,7 +608,7 @@ class ActivationCoordinator:
             transfer = max(0.0, (r.staged_at or at) - self.started_at) if r.staged_at else 0.0
             pause = max(0.0, (r.resumed_at or at) - r.paused_at) if r.paused_at is not None else 0.0
             engines.append(EngineOutcome(e, eo, transfer, pause, dict(r.requests)))
-        carried = self.kv_policy == "keep" and outcome in (ACTIVATED, ENGINE_FENCED)
+        carried = (self.kv_policy == "keep" or self._kv_kept) and outcome in (ACTIVATED, ENGINE_FENCED)
         record = Record(None, version=self.version if self.version is not None else -1, outcome=outcome,
                         engines=tuple(engines), strategy=self.strategy, kv_policy=self.kv_policy,
                         kv_carried=carried, message=message, at=at)

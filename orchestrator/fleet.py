@@ -20,77 +20,25 @@ from __future__ import annotations
 import itertools
 import json
 import time
-import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import anyio
 
 from orchestrator import activation as act
-from orchestrator.engines.base import Engine, SamplingSettings, versions_from_spans
-from orchestrator.errors import (
-    ActivationError,
-    EngineDeadError,
-    EngineError,
-    FencedEngineError,
-)
+from orchestrator.engines.base import Engine
+from orchestrator.errors import EngineDeadError, EngineError
 from orchestrator.logging import get_logger
+from orchestrator.rollouts import (  # noqa: F401 - re-exported: the fleet's request half
+    ENGINE_REQUEST_PREFIX,
+    FleetCompletion,
+    RolloutStreams,
+    Track,
+    fleet_request_id,
+    version_salt,
+)
 
 log = get_logger(__name__)
-ENGINE_REQUEST_PREFIX = "generate-tokens-"
-
-
-def fleet_request_id(worker_request_id: str) -> str:
-    """vLLM appends '-<random>' to request ids (and the server prefixes its own)."""
-    rid = worker_request_id
-    if rid.startswith(ENGINE_REQUEST_PREFIX):
-        rid = rid[len(ENGINE_REQUEST_PREFIX):]
-    head, sep, _tail = rid.rpartition("-")
-    return head if sep else rid
-
-
-def version_salt(version: int) -> str:
-    """Prefix-cache salt of requests dispatched under `version`."""
-    return f"inflight-v{version}"
-
-
-@dataclass
-class Track:
-    request_id: str
-    engine: str
-    dispatched_version: int
-    started_at: float
-    n_tokens: int = 0
-    switches: list[tuple[int, int]] = field(default_factory=list)  # (token index, version)
-    aborted_by_activation: bool = False
-    cancel: anyio.CancelScope | None = None
-    fenced: bool = False
-    kv_mode: str = "recompute"  # "keep" when a swap left its old keys/values in place
-
-
-@dataclass
-class FleetCompletion:
-    request_id: str
-    engine_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    logprobs: list[float]
-    versions: list[int]
-    dispatched_version: int
-    kv_carried_across_versions: bool
-    status: str  # completed, dropped, errored
-    reason: str = ""
-    finish_reason: str | None = None
-    attempts: int = 1
-
-    def change_points(self) -> list[tuple[int, int]]:
-        out: list[tuple[int, int]] = []
-        for i, v in enumerate(self.versions):
-            if not out or out[-1][1] != v:
-                out.append((i, v))
-        return out
-
-
 @dataclass(frozen=True)
 class FleetTimeouts:
     rpc_s: float = 60.0
@@ -98,11 +46,11 @@ class FleetTimeouts:
     poll_s: float = 0.02
 
 
-class Fleet:
+class Fleet(RolloutStreams):
     def __init__(self, engines: Sequence[Engine], *, strategy: act.Strategy = "pause_swap",
                  kv_policy: act.KvPolicy = "recompute", timeouts: act.PhaseTimeouts | None = None,
                  fleet_timeouts: FleetTimeouts | None = None, live_version: int = 0,
-                 replay_log=None) -> None:
+                 max_redispatch: int = 3) -> None:
         self.engines = {e.engine_id: e for e in engines}
         self.coordinator = act.ActivationCoordinator(list(self.engines), strategy=strategy, kv_policy=kv_policy,
                                                      timeouts=timeouts, live_version=live_version)
@@ -110,7 +58,12 @@ class Fleet:
         self.tracks: dict[str, Track] = {}
         self.completions: list[FleetCompletion] = []  # every terminal outcome, in order
         self.records: list[act.Record] = []
-        self.replay_log = replay_log
+        self.max_redispatch = max_redispatch
+        # Activation and rejoin both pause and resume engines: one at a time (issue: a rejoin
+        # could resume an engine that an activation had paused mid-reload).
+        self._activation_lock = anyio.Lock()
+        self._events = None  # the running activation's event stream (engine deaths join it)
+        self._deferred_aborts: dict[str, set[str]] = {}  # engine -> request ids, sent after resume
         self._rr = itertools.count()
         self._gates: dict[str, anyio.Event] = {}  # engines not admitting new requests (drain)
         self._paused: set[str] = set()
@@ -144,160 +97,77 @@ class Fleet:
                 tg.start_soon(self._rpc, engine, "swap_init", cfg)
 
     async def _rpc(self, engine: Engine, method: str, arg: str | None = None, timeout: float | None = None) -> dict:
+        """Call a swap method on every worker of `engine`. Every worker's answer counts: under
+        tensor parallelism a partial flip across shards must fail the phase, not hide."""
         args = (arg,) if arg is not None else ()
         results = await engine.collective_rpc(method, args=args, timeout=timeout or self.ft.rpc_s)
-        result = results[0] if isinstance(results, list) and results else results
-        if isinstance(result, str):
-            try:
-                result = json.loads(result)
-            except ValueError:
-                pass
-        return result if isinstance(result, dict) else {"result": result}
+        answers = [_as_dict(r) for r in (results if isinstance(results, list) else [results])]
+        if not answers:
+            raise RuntimeError(f"{method} on {engine.engine_id}: no worker answered")
+        first = answers[0]
+        for i, other in enumerate(answers[1:], start=1):
+            if _comparable(other) != _comparable(first):
+                raise RuntimeError(f"{method} on {engine.engine_id}: workers disagree "
+                                   f"(worker 0: {first}, worker {i}: {other})")
+        return first
 
-    # -- requests ----------------------------------------------------------------------------
-    def _pick(self, engine_id: str | None) -> str:
-        serving = self.coordinator.serving
-        if engine_id is not None:
-            if engine_id not in serving:
-                raise FencedEngineError(engine_id, "fenced out of the fleet: it takes no new requests")
-            return engine_id
-        if not serving:
-            raise ActivationError("no engine serves: every engine is fenced")
-        return serving[next(self._rr) % len(serving)]
-
-    async def generate(self, prompt_token_ids: Sequence[int], sampling: SamplingSettings, *,
-                       engine_id: str | None = None, request_id: str | None = None,
-                       redispatch: bool = True) -> FleetCompletion:
-        """One rollout, routed to a serving engine; ends in exactly one terminal outcome.
-        Under the `abort` KV policy, a rollout aborted by an activation is recorded as dropped
-        and (with `redispatch`) dispatched again as a new rollout."""
-        attempts = 0
-        while True:
-            attempts += 1
-            completion = await self._generate_once(prompt_token_ids, sampling, engine_id,
-                                                   request_id if attempts == 1 else None)
-            completion.attempts = attempts
-            if completion.status == "dropped" and completion.reason == "aborted" and redispatch:
-                continue
-            return completion
-
-    async def _generate_once(self, prompt_token_ids, sampling, engine_id, request_id) -> FleetCompletion:
-        target = self._pick(engine_id)
-        while target in self._gates:  # draining for an activation: wait for it to end
-            await self._gates[target].wait()
-            target = self._pick(engine_id)
-        engine = self.engines[target]
-        rid = request_id or f"r{uuid.uuid4().hex[:16]}"
-        track = Track(rid, target, self.live_version, time.time())
-        self.tracks[rid] = track
-        tokens: list[int] = []
-        logprobs: list[float] = []
-        spans = None
-        finish = None
-        status, reason = "completed", ""
-        try:
-            with anyio.CancelScope() as scope:
-                track.cancel = scope
-                # Salted with the dispatched version: a new request never reuses keys/values
-                # cached under older weights, even where vLLM cannot reset the prefix cache
-                # (blocks held by running requests under `keep` or the pause-free flip).
-                async for chunk in engine.generate(rid, prompt_token_ids, sampling,
-                                                   cache_salt=version_salt(track.dispatched_version)):
-                    tokens.extend(chunk.token_ids)
-                    logprobs.extend(chunk.logprobs)
-                    track.n_tokens = len(tokens)
-                    if chunk.finished:
-                        finish, spans = chunk.finish_reason, chunk.version_spans
-            if scope.cancelled_caught or track.fenced:
-                status, reason = "errored", "engine_fenced"
-            elif finish == "abort" and track.aborted_by_activation:
-                status, reason = "dropped", "aborted"
-            elif finish == "abort":
-                status, reason = "dropped", "aborted"
-        except EngineDeadError as exc:
-            status, reason = "errored", "engine_died"
-            log.warning("fleet.request_failed", request=rid, engine=target, error=str(exc))
-        except EngineError as exc:
-            status, reason = "errored", "engine_fenced" if track.fenced else type(exc).__name__
-        finally:
-            self.tracks.pop(rid, None)
-        versions = self._versions(track, spans, len(tokens))
-        carried = track.kv_mode == "keep" and any(k < len(tokens) for k, _v in track.switches)
-        completion = FleetCompletion(rid, target, list(prompt_token_ids), tokens, logprobs, versions,
-                                     track.dispatched_version, carried, status, reason, finish)
-        self.completions.append(completion)
-        self._record_rollout(completion)
-        return completion
-
-    def _versions(self, track: Track, spans, n: int) -> list[int]:
-        if spans is not None:
-            try:
-                versions = versions_from_spans(spans, n)
-            except ValueError:
-                versions = [track.dispatched_version] * n
-        else:
-            versions = [track.dispatched_version] * n
-        for k, v in track.switches:
-            for i in range(k, n):
-                if versions[i] < v:
-                    versions[i] = v
-        return versions
-
-    def _record_rollout(self, c: FleetCompletion) -> None:
-        if self.replay_log is None:
+    async def engine_died(self, engine_id: str, error: str) -> None:
+        """An engine is gone: fence it (no new requests; its in-flight rollouts end errored).
+        During an activation the event joins it, so the coordinator decides with full state."""
+        if engine_id in self.coordinator.fenced:
             return
-        from replay.records import COMPLETED, Dropped, Errored, PolicyIdentity, RolloutRecord, Timings
-
-        status = {"completed": COMPLETED, "dropped": Dropped(c.reason),
-                  "errored": Errored(c.reason)}[c.status]
-        record = RolloutRecord.from_lists(
-            rollout_id=abs(hash(c.request_id)) % (2**62), group_id=0, prompt_id=c.request_id, engine_id=c.engine_id,
-            prompt_token_ids=c.prompt_token_ids, completion_token_ids=c.token_ids,
-            completion_logprobs=c.logprobs or [0.0] * len(c.token_ids), dispatched_version=c.dispatched_version,
-            identity=PolicyIdentity("", "", "", "float32"), timings=Timings(time.time()),
-            token_versions=c.versions if c.token_ids else None,
-            kv_carried_across_versions=c.kv_carried_across_versions, status=status)
-        self.replay_log.append(record)
+        if self._events is not None:
+            await self._events.send(act.EngineDied(engine_id, time.monotonic(), error=error))
+            return
+        for a in self.coordinator.handle(act.EngineDied(engine_id, time.monotonic(), error=error)):
+            if isinstance(a, act.Fence):
+                self._fence(a.engine, a.reason)
 
     # -- activation --------------------------------------------------------------------------
     async def activate(self, version: int, *, rollback: bool = False, source: dict | None = None) -> act.Record:
         """Drive one activation to its record. Never leaves an engine paused. `source` goes to
         the workers' `swap_stage` (e.g. {"base_dir": ..., "lora_dir": ...} for a LoRA adapter);
-        by default each stages `version` from the filesystem transport."""
+        by default each stages the committed `version` from the filesystem transport."""
+        async with self._activation_lock:
+            return await self._activate(version, rollback, source)
+
+    async def _activate(self, version: int, rollback: bool, source: dict | None) -> act.Record:
         coord = self.coordinator
         self._stage_source = dict(source or {})
         send, recv = anyio.create_memory_object_stream[act.Event](1000)
         record: act.Record | None = None
         try:
+            self._events = send
             async with anyio.create_task_group() as tg:
-                for a in self._dispatch(tg, coord.begin(version, time.monotonic(), rollback=rollback), send):
-                    record = a
+                record = self._dispatch(tg, coord.begin(version, time.monotonic(), rollback=rollback), send)
                 while record is None:
                     event = await recv.receive()
-                    for a in self._dispatch(tg, coord.handle(event), send):
-                        record = a
-                tg.cancel_scope.cancel()  # stragglers (a hung stage) and timers
+                    record = self._dispatch(tg, coord.handle(event), send)
+                tg.cancel_scope.cancel()  # stragglers (a hung stage) and timers; drops are shielded
         finally:
+            self._events = None
             await self._resume_leftovers()
             for gate in self._gates.values():
                 gate.set()
             self._gates.clear()
         self.records.append(record)
-        self._record_activation(record)
         return record
 
-    def _dispatch(self, tg, actions: list[act.Action], send):
-        """Starts the actions (one task per engine, its actions in order); yields a Record."""
+    def _dispatch(self, tg, actions: list[act.Action], send) -> act.Record | None:
+        """Starts the actions (one task per engine, its actions in order); returns the Record
+        when the actions hold one."""
+        record: act.Record | None = None
         by_engine: dict[str, list[act.Action]] = {}
         for a in actions:
             if isinstance(a, act.Record):
-                yield a
+                record = a
             elif isinstance(a, act.StartTimer):
                 tg.start_soon(self._timer, a, send)
             else:
                 by_engine.setdefault(a.engine, []).append(a)
         for engine, queue in by_engine.items():
             tg.start_soon(self._perform_all, engine, queue, send)
+        return record
 
     async def _timer(self, timer: act.StartTimer, send) -> None:
         await anyio.sleep(timer.seconds)
@@ -317,7 +187,10 @@ class Fleet:
             if isinstance(a, act.Stage):
                 return await self._stage(engine, a)
             if isinstance(a, act.DropStaged):
-                with anyio.move_on_after(self.ft.rpc_s):
+                # Shielded like resume: the activation ends (and cancels its task group) in the
+                # same breath as it asks for the drops; an unsent drop leaves a version that
+                # never went live in the engine's shadow, where a later rollback would flip it in.
+                with anyio.CancelScope(shield=True), anyio.move_on_after(self.ft.rpc_s):
                     await self._rpc(engine, "swap_drop", str(a.version))
                 return None
             if isinstance(a, act.Drain):
@@ -379,7 +252,11 @@ class Fleet:
             track = self.tracks.get(rid)
             if track is not None and track.engine == engine_id:
                 track.switches.append((k, version))
-                track.kv_mode = self.coordinator.kv_policy
+                policy = self.coordinator.kv_policy
+                # Without a pause nothing recomputes: a request still running after a drain (it
+                # timed out) keeps the keys/values of the old weights.
+                keeps = policy == "keep" or (policy == "drain" and not self.coordinator.pauses)
+                track.kv_mode = "keep" if keeps else policy
 
     async def _stage(self, engine: Engine, a: act.Stage) -> act.Event:
         if a.rollback:
@@ -389,7 +266,9 @@ class Fleet:
                                        error="no previous version to roll back to")
             return act.Staged(engine.engine_id, time.monotonic(), version=a.version)
         source = self._stage_source if a.engine not in self.coordinator.rejoining else {}
-        await self._rpc(engine, "swap_stage", json.dumps({**source, "version": a.version, "attempt": 0}))
+        # No attempt: the worker stages the committed version (its COMPLETE marker and the attempt
+        # written there), whichever try of the trainer's synchronizer committed it.
+        await self._rpc(engine, "swap_stage", json.dumps({**source, "version": a.version}))
         while True:
             status = await self._rpc(engine, "swap_status")
             if status.get("version") == a.version and status.get("state") == "staged":
@@ -405,16 +284,30 @@ class Fleet:
             with anyio.fail_after(self.ft.resume_limit_s):
                 await engine.resume()
         self._paused.discard(engine.engine_id)
+        await self._flush_deferred_aborts(engine.engine_id)
 
     async def _resume_leftovers(self) -> None:
+        """Resume every engine still paused, all at once (a dead one must not delay the rest)."""
+        async def resume_one(e: str) -> None:
+            try:
+                with anyio.move_on_after(self.ft.resume_limit_s):
+                    await self.engines[e].resume()
+            except Exception as exc:  # noqa: BLE001 - a dead engine cannot be resumed
+                log.warning("fleet.resume_failed", engine=e, error=str(exc))
+            self._paused.discard(e)
+
         with anyio.CancelScope(shield=True):
-            for e in list(self._paused):
-                try:
-                    with anyio.move_on_after(self.ft.resume_limit_s):
-                        await self.engines[e].resume()
-                except Exception as exc:  # noqa: BLE001 - a dead engine cannot be resumed
-                    log.warning("fleet.resume_failed", engine=e, error=str(exc))
-                self._paused.discard(e)
+            async with anyio.create_task_group() as tg:
+                for e in list(self._paused):
+                    tg.start_soon(resume_one, e)
+            for e in list(self._deferred_aborts):
+                await self._flush_deferred_aborts(e)
+
+    async def _flush_deferred_aborts(self, engine_id: str) -> None:
+        rids = self._deferred_aborts.pop(engine_id, set())
+        if rids and engine_id not in self._paused:
+            with anyio.CancelScope(shield=True):
+                await self._abort_on(engine_id, sorted(rids))
 
     def _fence(self, engine_id: str, reason: str) -> None:
         """No new requests; its in-flight rollouts end `errored(engine_fenced)`."""
@@ -425,19 +318,12 @@ class Fleet:
                 if t.cancel is not None:
                     t.cancel.cancel()
 
-    def _record_activation(self, record: act.Record) -> None:
-        if self.replay_log is None:
-            return
-        from replay.records import ActivationRecord, EngineActivation
-
-        self.replay_log.append(ActivationRecord(
-            version=record.version, outcome=record.outcome,
-            engines=[EngineActivation(eo.engine, eo.transfer_s, eo.pause_s, eo.outcome) for eo in record.engines],
-            activated_at=time.time(), message=record.message[:1000], strategy=record.strategy,
-            kv_policy=record.kv_policy, kv_carried=record.kv_carried))
-
     async def rejoin(self, engine_id: str) -> bool:
         """Re-sync a fenced engine to the live version; True when it serves again."""
+        async with self._activation_lock:
+            return await self._rejoin(engine_id)
+
+    async def _rejoin(self, engine_id: str) -> bool:
         coord = self.coordinator
         send, recv = anyio.create_memory_object_stream[act.Event](100)
         done = False
@@ -445,7 +331,7 @@ class Fleet:
             async with anyio.create_task_group() as tg:
                 pending = coord.rejoin(engine_id, time.monotonic())
                 while True:
-                    list(self._dispatch(tg, pending, send))
+                    self._dispatch(tg, pending, send)
                     if any(isinstance(a, act.Unfence) for a in pending) or engine_id not in coord.rejoining:
                         done = engine_id not in coord.fenced
                         break
@@ -454,3 +340,17 @@ class Fleet:
         finally:
             await self._resume_leftovers()
         return done
+
+
+def _as_dict(result) -> dict:
+    if isinstance(result, str):
+        try:
+            result = json.loads(result)
+        except ValueError:
+            pass
+    return result if isinstance(result, dict) else {"result": result}
+
+
+def _comparable(answer: dict) -> dict:
+    """What must agree across workers: everything but timings."""
+    return {k: v for k, v in answer.items() if k != "seconds"}

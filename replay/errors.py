@@ -2,10 +2,13 @@
 
     ReplayError                  base of every expected failure in `replay` (bad input, bad file)
     +-- CorruptRecordError       bytes on disk fail their frame check (length, CRC32C) before
-    |                            the torn tail; names the segment file and the byte offset
+    |                            the torn tail, or a whole segment is missing; names the
+    |                            segment file and the byte offset
     +-- InvalidRecordError       a record whose content breaks the schema or an invariant
-    |                            (wrong type, NaN logprob, unequal lengths, versions going
-    |                            backwards); names the field, and the segment/offset when read
+    |   |                        (wrong type, NaN logprob, unequal lengths, versions going
+    |   |                        backwards); names the field, and the segment/offset when read
+    |   +-- UnknownRecordTypeError   a record type this reader does not know (a newer
+    |                                writer's); readers skip and count it instead of failing
     +-- LogNotFoundError         a directory that holds no replay log
 
 `InvalidRecordError` deliberately does not derive from `ValueError`/`TypeError`: msgspec wraps
@@ -44,6 +47,20 @@ class InvalidRecordError(ReplayError):
     def at(self, segment: str, offset: int) -> InvalidRecordError:
         """The same error, located in a file (used by readers)."""
         return InvalidRecordError(self.field, self.reason, segment=segment, offset=offset)
+
+
+class UnknownRecordTypeError(InvalidRecordError):
+    """A well-formed record whose type tag this reader does not know (written by a newer
+    writer). Readers skip it and count it in `unknown_records`."""
+
+    def __init__(self, record_type: str, *, segment: str | None = None,
+                 offset: int | None = None) -> None:
+        self.record_type = record_type
+        super().__init__("type", f"unknown record type {record_type!r}", segment=segment,
+                         offset=offset)
+
+    def at(self, segment: str, offset: int) -> UnknownRecordTypeError:
+        return UnknownRecordTypeError(self.record_type, segment=segment, offset=offset)
 
 
 class LogNotFoundError(ReplayError):

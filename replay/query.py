@@ -431,7 +431,7 @@ def summarize(values: np.ndarray, *, histogram: bool = False) -> dict[str, Any]:
         return empty
     p50, p90, p99 = np.percentile(values, PERCENTILES, method="inverted_cdf")
     result = {
-        "count": int(len(values)),
+        "count": len(values),
         "mean": float(values.mean()),
         "p50": _scalar(p50),
         "p90": _scalar(p90),

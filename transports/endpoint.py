@@ -47,7 +47,7 @@ def make_receiver(transport: str, plan: RefitPlan, options: dict[str, Any], work
         from transports.http import HttpReceiver
 
         return HttpReceiver(host=options["host"], port=int(options["port"]), arena_bytes=plan.arena_bytes,
-                            timeout_s=timeout_s)
+                            timeout_s=timeout_s, token=options.get("token"))
     raise TransportConfigError(f"unknown transport {transport!r}")
 
 

@@ -66,6 +66,7 @@ class Manifest(msgspec.Struct, frozen=True):
     checksums: bool
     created_unix: float
     kv_scales: dict[str, float] | None = None
+    attempt: int | None = None  # which try at sending this version was committed (None: an older writer)
 
 
 class FileMeta(msgspec.Struct, frozen=True):
@@ -152,6 +153,15 @@ def parse_bucket_file(data: memoryview) -> tuple[FileMeta, tuple[TensorMeta, ...
     return meta, tuple(tensors)
 
 
+def read_bucket_meta(path: Path) -> FileMeta:
+    """The bucket header of one bucket file, reading only its safetensors header."""
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        size = int.from_bytes(prefix, "little") if len(prefix) == 8 else 0
+        meta, _ = parse_bucket_file(memoryview(prefix + f.read(size)))
+    return meta
+
+
 class FilesystemSender:
     """Writes each bucket as it is packed; a background thread fsyncs bucket k while bucket k+1
     is written. `commit()` waits for every fsync, then publishes the version atomically."""
@@ -164,6 +174,7 @@ class FilesystemSender:
         self._files: list[BucketFile] = []
         self._kv_scales: dict[str, float] | None = None
         self._checksums = True
+        self._attempt: int | None = None
         self._syncer: ThreadPoolExecutor | None = None
         self._syncing: list[Future] = []
 
@@ -184,6 +195,7 @@ class FilesystemSender:
         self._tmp.mkdir()
         self._files = []
         self._kv_scales = None
+        self._attempt = None
 
     def send(self, header: BucketHeader, payload: memoryview) -> None:
         assert self._tmp is not None, "begin() first"
@@ -208,6 +220,7 @@ class FilesystemSender:
         metas = tuple(msgspec.structs.replace(m, offset=base + s) for m, (s, _) in zip(header.tensors, spans))
         self._files.append(BucketFile(name, base + (spans[-1][1] if spans else 0), metas))
         self._checksums = header.checksums
+        self._attempt = header.attempt
         if header.kv_scales is not None:
             self._kv_scales = dict(header.kv_scales)
 
@@ -231,7 +244,8 @@ class FilesystemSender:
     def commit(self, version: int) -> None:
         assert self._tmp is not None, "begin() first"
         self._wait_synced()
-        manifest = Manifest(version, len(self._files), tuple(self._files), self._checksums, time.time(), self._kv_scales)
+        manifest = Manifest(version, len(self._files), tuple(self._files), self._checksums, time.time(), self._kv_scales,
+                            self._attempt)
         with open(self._tmp / MANIFEST, "wb") as f:
             f.write(msgspec.json.encode(manifest))
             if self.fsync:
@@ -312,21 +326,75 @@ class FilesystemReceiver:
             time.sleep(delay)
             delay = min(delay * 2, 0.01)
 
-    def receive(self, version: int, staging: StagingArea) -> None:
+    def receive(self, version: int, staging: StagingArea, *, committed: bool = False) -> None:
+        """Receives `version` (attempt `staging.attempt`) into `staging`, bucket by bucket as the
+        files appear. `committed=True`: returns only once the version is committed (its
+        `COMPLETE` marker written; bounded wait) and the committed files are the ones read
+        (same attempt, same checksums); otherwise raises, so a version whose commit never
+        happened, or was replaced by another attempt, is never reported staged."""
         pipe = ReplayPipeline(staging, arenas=2, timeout_s=self.timeout_s)
+        read: dict[int, FileMeta] = {}
         try:
             k, count = 0, None
             while count is None or k < count:
                 slot = pipe.acquire(k)
-                header, payload = self._read(version, k, staging.attempt, slot)
+                header, payload, meta = self._read(version, k, staging.attempt, slot)
+                read[k] = meta
                 count = header.count
                 pipe.submit(slot, header, payload)
                 k += 1
             pipe.drain()
         finally:
             pipe.close()
+        if committed:
+            self.check_committed(version, read)
 
-    def _read(self, version: int, index: int, attempt: int, slot: int) -> tuple[BucketHeader, memoryview]:
+    def wait_complete(self, version: int) -> Path:
+        """The published directory of `version` once its `COMPLETE` marker exists (bounded wait)."""
+        final = version_dir(self.root, version)
+        deadline = time.monotonic() + self.timeout_s
+        delay = self.poll_s
+        while not (final / COMPLETE).exists():
+            if time.monotonic() > deadline:
+                raise TransportTimeoutError(f"waiting for version {version} to be committed ({final / COMPLETE})",
+                                            self.timeout_s)
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+        return final
+
+    def committed_metas(self, version: int) -> dict[int, FileMeta]:
+        """The bucket headers of the committed files of `version` (after waiting for COMPLETE)."""
+        final = self.wait_complete(version)
+        try:
+            manifest = msgspec.json.decode((final / MANIFEST).read_bytes(), type=Manifest)
+            metas = {i: read_bucket_meta(final / bucket_name(i)) for i in range(manifest.bucket_count)}
+        except (OSError, msgspec.DecodeError) as exc:
+            raise TransportError(f"version {version}: unreadable committed files under {final}: {exc}") from exc
+        return metas
+
+    def committed_attempt(self, version: int) -> int:
+        """Which attempt at `version` was committed: waits (bounded) for its COMPLETE marker and
+        reads the attempt from the committed bucket files."""
+        metas = self.committed_metas(version)
+        attempts = {m.attempt for m in metas.values()}
+        if len(attempts) != 1:
+            raise TransportError(f"version {version}: the committed files name attempts {sorted(attempts)}")
+        return attempts.pop()
+
+    def check_committed(self, version: int, read: dict[int, FileMeta]) -> None:
+        """Waits (bounded) for `version` to be committed and checks that the committed files are
+        the ones read: same buckets, same attempt, same checksums."""
+        committed = self.committed_metas(version)
+        if sorted(committed) != sorted(read):
+            raise TransportError(f"version {version}: {len(committed)} buckets were committed, "
+                                 f"{len(read)} were read")
+        for index, meta in read.items():
+            other = committed[index]
+            if (other.attempt, other.crc, other.count) != (meta.attempt, meta.crc, meta.count):
+                raise TransportError(f"version {version}: bucket {index} read from attempt {meta.attempt} is not "
+                                     f"the committed one (attempt {other.attempt})")
+
+    def _read(self, version: int, index: int, attempt: int, slot: int) -> tuple[BucketHeader, memoryview, FileMeta]:
         """Reads bucket `index` into arena `slot` (free: its last replay finished). A short file
         yields a short payload, which staging reports as a truncated bucket naming the first
         tensor cut off."""
@@ -358,7 +426,7 @@ class FilesystemReceiver:
             first = tensors[0].name if tensors else name
             raise MissingTensorError(first, f"{name} holds bucket {meta.index}, expected {index}")
         return BucketHeader(meta.version, meta.index, meta.count, got, tensors, meta.checksums, meta.kv_scales,
-                            meta.attempt), view[:got]
+                            meta.attempt), view[:got], meta
 
     def close(self) -> None:
         pass

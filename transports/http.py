@@ -8,6 +8,14 @@ reused) and answers once it is queued; the engine's `receive()` replays it while
 bucket streams in. A body shorter than announced is staged as-is and reported as a truncated
 bucket naming the first tensor cut off.
 
+Every bucket PUT carries `Authorization: Bearer <token>`: a per-run secret the sender generates
+and hands to each receiver in its init info; a request without it (or with another) is answered
+401 and its body never read. The receiver listens on the address of its init info (127.0.0.1
+unless configured otherwise). Malformed input is answered, never staged, and the receiver keeps
+serving: no or a non-numeric / negative `Content-Length` 411 / 400, `Transfer-Encoding`
+(chunked) 501, a body over the arena 413; every answer other than 200, and every request that
+asked for `Connection: close`, ends its connection with `Connection: close`.
+
 The sender speaks HTTP/1.1 itself over one kept-alive socket per engine: the request head, then
 `sendall` straight from the packed arena (no copy into an HTTP library's buffers). Requests are
 pipelined one deep: bucket k+1 is written before the answer to bucket k is read, so the socket
@@ -18,7 +26,10 @@ intact until its answer came). Every socket operation has the sender's timeout.
 from __future__ import annotations
 
 import base64
+import hmac
 import queue
+import re
+import secrets
 import socket
 import threading
 import time
@@ -39,6 +50,26 @@ HEALTH_PATH = "/inflight/v1/health"
 HEADER = "X-Inflight-Header"
 SOCKET_BUFFER = 8 << 20  # asked for; the kernel caps it (net.core.[rw]mem_max)
 _MAX_HEAD = 64 << 10
+_DIGITS = re.compile(r"[0-9]{1,18}")
+
+
+def new_token() -> str:
+    """A per-run secret for the bucket receivers (256 bits, URL-safe)."""
+    return secrets.token_urlsafe(32)
+
+
+def content_length(values: list[str] | None) -> int | None:
+    """The body length of a request's `Content-Length` header(s): None when absent; raises
+    ValueError for a non-numeric or negative value, or several that disagree."""
+    if not values:
+        return None
+    lengths = {v.strip() for v in values}
+    if len(lengths) != 1:
+        raise ValueError(f"conflicting Content-Length values {sorted(lengths)}")
+    (text,) = lengths
+    if not _DIGITS.fullmatch(text):
+        raise ValueError(f"Content-Length {text!r} is not a non-negative decimal number")
+    return int(text)
 
 
 class _Connection:
@@ -106,15 +137,16 @@ class HttpSender:
     #: a round trip between buckets. `commit()` reads the last answers.
     in_flight = 1
 
-    def __init__(self, *, endpoints: list[tuple[str, int]], timeout_s: float = 60.0):
+    def __init__(self, *, endpoints: list[tuple[str, int]], timeout_s: float = 60.0, token: str | None = None):
         self.endpoints = endpoints
         self.timeout_s = timeout_s
+        self.token = token or new_token()  # handed to every receiver in its init info
         self._connections: dict[tuple[str, int], _Connection] = {}
         self._unanswered: list[tuple[int, str]] = []  # (bucket index, what) whose answers are unread
 
     def engine_init_info(self, engine_index: int) -> dict[str, Any]:
         host, port = self.endpoints[engine_index]
-        return {"host": host, "port": port, "timeout_s": self.timeout_s}
+        return {"host": host, "port": port, "timeout_s": self.timeout_s, "token": self.token}
 
     def connect(self) -> None:
         """Waits (bounded) until every engine's receiver answers: engines start theirs while
@@ -138,7 +170,7 @@ class HttpSender:
 
     def send(self, header: BucketHeader, payload: memoryview) -> None:
         meta = base64.b64encode(encode_header(header)).decode()
-        headers = {HEADER: meta, "Content-Type": "application/octet-stream"}
+        headers = {HEADER: meta, "Content-Type": "application/octet-stream", "Authorization": f"Bearer {self.token}"}
         for host, port in self.endpoints:
             self._io(host, port, "PUT", BUCKET_PATH,
                      lambda conn: conn.send_request("PUT", BUCKET_PATH, headers, payload))
@@ -206,8 +238,12 @@ class _Short(Exception):
 
 
 class HttpReceiver:
-    def __init__(self, *, host: str, port: int, arena_bytes: int, timeout_s: float = 60.0):
+    """`token`: the sender's per-run secret (`HttpSender.token`, in the init info); every bucket
+    PUT must carry it. None: a fresh random one (nobody can send until told `receiver.token`)."""
+
+    def __init__(self, *, host: str, port: int, arena_bytes: int, timeout_s: float = 60.0, token: str | None = None):
         self.timeout_s = timeout_s
+        self.token = token or new_token()
         self._arenas = [torch.empty(max(arena_bytes, 1), dtype=torch.uint8) for _ in range(2)]
         self._free = [threading.Semaphore(1), threading.Semaphore(1)]
         self._next_slot = 0
@@ -237,59 +273,101 @@ class HttpReceiver:
                 self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 super().setup()
 
-            def _reply(self, code: int, text: str) -> None:
+            def _reply(self, code: int, text: str, headers: dict[str, str] | None = None) -> None:
                 if code != 200:
                     self.close_connection = True  # the body may be unread: end this connection
                 body = text.encode()
                 self.send_response(code)
                 self.send_header("Content-Length", str(len(body)))
+                for name, value in (headers or {}).items():
+                    self.send_header(name, value)
+                if self.close_connection:
+                    self.send_header("Connection", "close")
                 self.end_headers()
                 self.wfile.write(body)
 
+            def _has_body(self) -> bool:
+                return bool(self.headers.get_all("Transfer-Encoding")) or any(
+                    v.strip() not in ("", "0") for v in self.headers.get_all("Content-Length") or ())
+
             def do_GET(self) -> None:
+                if self._has_body():
+                    self.close_connection = True  # an unread body would be parsed as the next request
+                if self.path != HEALTH_PATH:
+                    return self._reply(404, "unknown path")
                 self._reply(200, "ok")
 
             def do_PUT(self) -> None:
+                try:
+                    self._put()
+                except Exception as exc:  # never a dead handler thread and an unanswered request
+                    log.warning("http.put_failed", error=f"{type(exc).__name__}: {exc}")
+                    self.close_connection = True
+                    try:
+                        self._reply(500, f"{type(exc).__name__}: {exc}")
+                    except OSError:
+                        pass
+
+            def _authorized(self) -> bool:
+                given = self.headers.get("Authorization", "")
+                return hmac.compare_digest(given.encode("latin-1", "replace"),
+                                           f"Bearer {receiver.token}".encode("latin-1"))
+
+            def _put(self) -> None:
                 if self.path != BUCKET_PATH:
                     return self._reply(404, "unknown path")
+                if not self._authorized():
+                    return self._reply(401, "a bucket needs the run's token (Authorization: Bearer ...)",
+                                       {"WWW-Authenticate": "Bearer"})
+                if self.headers.get_all("Transfer-Encoding"):
+                    return self._reply(501, "Transfer-Encoding is not supported: send Content-Length")
                 try:
-                    header = decode_header(base64.b64decode(self.headers[HEADER]))
-                    length = int(self.headers["Content-Length"])
+                    length = content_length(self.headers.get_all("Content-Length"))
+                except ValueError as exc:
+                    return self._reply(400, f"bad bucket request: {exc}")
+                if length is None:
+                    return self._reply(411, "a bucket needs Content-Length")
+                capacity = receiver._arenas[0].numel()
+                if length > capacity:
+                    return self._reply(413, f"{length} bytes exceed the arena ({capacity})")
+                try:
+                    header = decode_header(base64.b64decode(self.headers[HEADER] or "", validate=True))
                 except Exception as exc:  # a malformed request, not a transfer
                     return self._reply(400, f"bad bucket request: {exc}")
                 slot = receiver._claim_slot()
                 if slot is None:
                     return self._reply(503, "no free arena: the engine is not receiving")
-                arena = memoryview(receiver._arenas[slot].numpy())
-                if length > len(arena):
-                    receiver._free[slot].release()
-                    return self._reply(413, f"{length} bytes exceed the arena ({len(arena)})")
-                # Tensors the staging area can take as they are are read straight into their
-                # staging tensors (no copy out of the arena later); the rest, and the padding
-                # between tensors, into the arena at their offsets.
-                staging = receiver._staging
-                landed = staging.landing(header) if staging is not None else {}
-                spans, kept = [], {}
-                for m in sorted(header.tensors, key=lambda m: m.offset):
-                    flat = landed.get(m.name)
-                    if (flat is not None and m.name not in kept and m.offset >= (spans[-1][1] if spans else 0)
-                            and m.offset + m.nbytes <= length):
-                        spans.append((m.offset, m.offset + m.nbytes, flat))
-                        kept[m.name] = flat
-                landed = kept  # anything else (overlapping spans of a malformed header) via the arena
-                got = 0
-                self.connection.settimeout(receiver.timeout_s)
                 try:
-                    for start, end, flat in [*spans, (length, length, None)]:
-                        self._read_into(arena[got:start])
-                        got = start
-                        if flat is not None:
-                            self._read_into(memoryview(flat.numpy()))
-                            got = end
-                except _Short as short:
-                    got += short.got
-                except OSError:
-                    pass  # a stalled or vanished sender: stage what arrived, staging names the cut
+                    arena = memoryview(receiver._arenas[slot].numpy())
+                    # Tensors the staging area can take as they are are read straight into their
+                    # staging tensors (no copy out of the arena later); the rest, and the padding
+                    # between tensors, into the arena at their offsets.
+                    staging = receiver._staging
+                    landed = staging.landing(header) if staging is not None else {}
+                    spans, kept = [], {}
+                    for m in sorted(header.tensors, key=lambda m: m.offset):
+                        flat = landed.get(m.name)
+                        if (flat is not None and m.name not in kept and m.offset >= (spans[-1][1] if spans else 0)
+                                and m.offset + m.nbytes <= length):
+                            spans.append((m.offset, m.offset + m.nbytes, flat))
+                            kept[m.name] = flat
+                    landed = kept  # anything else (overlapping spans of a malformed header) via the arena
+                    got = 0
+                    self.connection.settimeout(receiver.timeout_s)
+                    try:
+                        for start, end, flat in [*spans, (length, length, None)]:
+                            self._read_into(arena[got:start])
+                            got = start
+                            if flat is not None:
+                                self._read_into(memoryview(flat.numpy()))
+                                got = end
+                    except _Short as short:
+                        got += short.got
+                    except OSError:
+                        pass  # a stalled or vanished sender: stage what arrived, staging names the cut
+                except BaseException:
+                    receiver._free[slot].release()  # never queued: the arena is free again
+                    raise
                 receiver._arrived.put((slot, header, arena[:got], landed))
                 self._reply(200, "queued")
 

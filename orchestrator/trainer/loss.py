@@ -127,6 +127,6 @@ def per_rollout_log_ratio(diff: torch.Tensor, flat_rollout: torch.Tensor,
     diff = diff.detach().float()
     n = torch.zeros(count).index_add_(0, flat_rollout, torch.ones_like(diff))
     mean = torch.zeros(count).index_add_(0, flat_rollout, diff) / n
-    max_abs = torch.zeros(count).index_reduce_(0, flat_rollout, diff.abs(), "amax", include_self=False)
+    max_abs = torch.zeros(count).scatter_reduce_(0, flat_rollout, diff.abs(), "amax", include_self=False)
     nan = torch.full((count,), float("nan"))
     return torch.where(n > 0, mean, nan), torch.where(n > 0, max_abs, nan)

@@ -148,7 +148,7 @@ def test_http_engine_times_out_when_buckets_stop_coming(plan_and_state):
 
     plan, state = plan_and_state
     receiver = HttpReceiver(host="127.0.0.1", port=0, arena_bytes=plan.arena_bytes, timeout_s=TIMEOUT)
-    sender = HttpSender(endpoints=[("127.0.0.1", receiver.port)], timeout_s=10)
+    sender = HttpSender(endpoints=[("127.0.0.1", receiver.port)], timeout_s=10, token=receiver.token)
     try:
         header, payload = next(iter(plan.pack(state, version=1, prefetch=False)))
         sender.send(header, payload)  # one bucket of several, then nothing

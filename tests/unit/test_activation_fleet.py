@@ -157,23 +157,121 @@ async def test_rejoin_resyncs_a_fenced_engine_before_it_serves():
     assert engines[1].version == 1 and not engines[1].paused
 
 
-async def test_records_reach_the_replay_log(tmp_path):
-    from replay.log import ReplayLog, read_records
-    from replay.records import ActivationRecord, RolloutRecord
+class DisagreeingEngine(ScriptedEngine):
+    """Two tensor-parallel workers; the second one's flip did not happen."""
 
+    async def collective_rpc(self, method, args=(), kwargs=None, timeout=None):
+        answers = await super().collective_rpc(method, args, kwargs, timeout)
+        if method == "swap_apply":
+            return answers + [{"version": 0, "requests": {}}]
+        return answers * 2
+
+
+async def test_every_worker_answer_counts_and_a_partial_flip_fences_the_engine():
+    engines = [ScriptedEngine("a"), DisagreeingEngine("b")]
+    fleet = Fleet(engines)
+    record = await fleet.activate(1)
+    assert record.outcome == act.ENGINE_FENCED
+    assert fleet.coordinator.fenced == {"b"}
+    assert "disagree" in record.message
+
+
+async def test_a_failed_staging_sends_its_drops_even_though_the_activation_ends_at_once():
+    engines = [ScriptedEngine("a"), ScriptedEngine("b", fail=("swap_stage",))]
+    fleet = Fleet(engines)
+    record = await fleet.activate(1)
+    assert record.outcome == act.ROLLED_BACK
+    # Both drops reached their engine: the activation's task group was cancelled right after
+    # it asked for them, and unshielded drops were never sent.
+    assert all("swap_drop" in e.calls for e in engines), [e.calls for e in engines]
+
+
+async def test_rejoin_and_activation_never_run_at_once():
     engines = [ScriptedEngine("a"), ScriptedEngine("b", fail=("swap_apply",))]
-    with ReplayLog.open(tmp_path) as log:
-        fleet = Fleet(engines, replay_log=log)
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(functools.partial(fleet.generate, [1], SamplingSettings(max_tokens=400), engine_id="b"))
-            await anyio.sleep(0.05)
-            await fleet.activate(1)
-        await fleet.generate([1], SamplingSettings(max_tokens=3))
-    records = list(read_records(tmp_path))
-    activations = [r for r in records if isinstance(r, ActivationRecord)]
-    rollouts = [r for r in records if isinstance(r, RolloutRecord)]
-    assert [a.outcome for a in activations] == [act.ENGINE_FENCED]
-    assert {e.engine_id: e.outcome for e in activations[0].engines} == {"a": "activated", "b": "engine_fenced"}
-    assert sorted(r.status_name for r in rollouts) == ["completed", "errored"]
-    done = [r for r in rollouts if r.status_name == "completed"][0]
-    assert done.change_points() == [(0, 1)]
+    fleet = Fleet(engines)
+    await fleet.activate(1)
+    engines[1].fail.clear()
+    order: list[str] = []
+
+    async def activate():
+        await fleet.activate(2)
+        order.append("activate")
+
+    async def rejoin():
+        await fleet.rejoin("b")
+        order.append("rejoin")
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(rejoin)
+        await anyio.sleep(0)
+        tg.start_soon(activate)
+        await anyio.sleep(0.01)
+        # the activation waits for the rejoin: nothing of it reached engine a yet
+        assert "swap_stage" not in engines[0].calls[-10:] or order
+    assert order == ["rejoin", "activate"]
+    assert not any(e.paused for e in engines)
+
+
+async def test_a_cancelled_rollout_aborts_its_request_and_records_nothing_itself():
+    aborted: list[str] = []
+
+    class Recording(ScriptedEngine):
+        async def abort(self, request_id):
+            aborted.append(request_id)
+
+    fleet = Fleet([Recording("a")])
+    with anyio.move_on_after(0.05):
+        await fleet.generate([1], SamplingSettings(max_tokens=400), request_id="r-cancel")
+    assert aborted == ["r-cancel"]
+    assert not fleet.tracks and not fleet.completions
+
+
+async def test_aborts_wait_for_a_paused_engine_to_resume():
+    aborted: list[str] = []
+
+    class Recording(ScriptedEngine):
+        async def abort(self, request_id):
+            assert not self.paused, "an abort reached a paused engine"
+            aborted.append(request_id)
+
+    engine = Recording("a")
+    fleet = Fleet([engine])
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(functools.partial(fleet.generate, [1], SamplingSettings(max_tokens=400), request_id="r1",
+                                        redispatch=False))
+        await anyio.sleep(0.02)
+        fleet._paused.add("a")
+        engine.paused = True
+        await fleet.abort_many(["r1", "finished-long-ago"])
+        assert aborted == []
+        engine.paused = False
+        await fleet._resume(engine)
+        assert aborted == ["r1"]
+        tg.cancel_scope.cancel()
+
+
+async def test_an_aborted_rollout_is_redispatched_at_most_max_redispatch_times():
+    class AlwaysAborts(ScriptedEngine):
+        async def generate(self, request_id, prompt_token_ids, sampling, cache_salt=None):
+            yield TokenChunk([], [], finished=True, finish_reason="abort")
+
+    fleet = Fleet([AlwaysAborts("a")], max_redispatch=2)
+    c = await fleet.generate([1], SamplingSettings(max_tokens=3))
+    assert c.status == "dropped" and c.attempts == 3
+    assert c.dispatched_at is not None and c.finished_at >= c.dispatched_at
+
+
+def test_pause_free_drain_that_times_out_records_old_keys_values_as_carried():
+    coord = act.ActivationCoordinator(["a"], strategy="pause_free", kv_policy="drain",
+                                      timeouts=act.PhaseTimeouts(drain_s=1.0))
+    actions = coord.begin(1, 0.0)
+    actions = coord.handle(act.Staged("a", 0.1, version=1))
+    timer = [a for a in actions if isinstance(a, act.StartTimer)][0]
+    actions = coord.handle(act.Timeout(None, 1.2, phase=timer.phase, token=timer.token))
+    actions = coord.handle(act.Swapped("a", 1.3, version=1))
+    actions = coord.handle(act.CacheFenced("a", 1.4))
+    actions = coord.handle(act.VersionSet("a", 1.5, version=1))
+    record = [a for a in actions if isinstance(a, act.Record)][0]
+    assert record.outcome == act.ACTIVATED
+    assert record.kv_carried is True
+    assert "recomputed" not in record.message

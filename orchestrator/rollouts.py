@@ -1,0 +1,249 @@
+"""Rollout streaming and version attribution: the request half of the `Fleet`.
+
+`RolloutStreams` streams one rollout from an engine (salted with its dispatched version, so
+no new request reuses keys/values of older weights), keeps a `Track` per request in flight
+so that an activation can note the exact token index where each request switched version,
+and turns the engine's version spans plus those switch reports into one version per token.
+It also gives the scheduler what it needs: per-engine load, batched aborts that never reach
+a paused engine, and real timings (dispatch, first token, end; wall clock) per rollout.
+
+Streaming costs no per-token Python work here: tokens arrive in chunks and are extended as
+lists; with `final_only` an in-process engine sends one chunk per request.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import anyio
+
+from orchestrator.engines.base import SamplingSettings, versions_from_spans
+from orchestrator.errors import ActivationError, EngineDeadError, EngineError, FencedEngineError
+from orchestrator.logging import get_logger
+
+log = get_logger(__name__)
+
+ENGINE_REQUEST_PREFIX = "generate-tokens-"
+
+
+def fleet_request_id(worker_request_id: str) -> str:
+    """vLLM appends '-<random>' to request ids (and the server prefixes its own)."""
+    rid = worker_request_id
+    if rid.startswith(ENGINE_REQUEST_PREFIX):
+        rid = rid[len(ENGINE_REQUEST_PREFIX):]
+    head, sep, _tail = rid.rpartition("-")
+    return head if sep else rid
+
+
+def version_salt(version: int) -> str:
+    """Prefix-cache salt of requests dispatched under `version`."""
+    return f"inflight-v{version}"
+
+
+@dataclass
+class Track:
+    request_id: str
+    engine: str
+    dispatched_version: int
+    started_at: float
+    n_tokens: int = 0
+    switches: list[tuple[int, int]] = field(default_factory=list)  # (token index, version)
+    aborted_by_activation: bool = False
+    cancel: anyio.CancelScope | None = None
+    fenced: bool = False
+    kv_mode: str = "recompute"  # "keep" when a swap left its old keys/values in place
+    first_token_at: float | None = None
+
+
+@dataclass
+class FleetCompletion:
+    request_id: str
+    engine_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    dispatched_version: int
+    kv_carried_across_versions: bool
+    status: str  # completed, dropped, errored
+    reason: str = ""
+    finish_reason: str | None = None
+    attempts: int = 1
+    # Wall-clock instants (time.time()) observed here: dispatch, first token chunk, end.
+    dispatched_at: float | None = None
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    message: str = ""
+
+    def change_points(self) -> list[tuple[int, int]]:
+        out: list[tuple[int, int]] = []
+        for i, v in enumerate(self.versions):
+            if not out or out[-1][1] != v:
+                out.append((i, v))
+        return out
+
+
+
+class RolloutStreams:
+    """Mixed into `Fleet`: requires `engines`, `coordinator`, `ft`, `tracks`, `completions`,
+    `_gates`, `_paused`, `_deferred_aborts`, `_rr` and `live_version`."""
+
+    def _pick(self, engine_id: str | None) -> str:
+        serving = self.coordinator.serving
+        if engine_id is not None:
+            if engine_id not in serving:
+                raise FencedEngineError(engine_id, "fenced out of the fleet: it takes no new requests")
+            return engine_id
+        if not serving:
+            raise ActivationError("no engine serves: every engine is fenced")
+        return serving[next(self._rr) % len(serving)]
+
+    # -- requests ----------------------------------------------------------------------------
+    async def generate(self, prompt_token_ids: Sequence[int], sampling: SamplingSettings, *,
+                       engine_id: str | None = None, request_id: str | None = None,
+                       redispatch: bool = True, final_only: bool = False) -> FleetCompletion:
+        """One rollout, routed to a serving engine; ends in exactly one terminal outcome.
+        Under the `abort` KV policy, a rollout aborted by an activation is dropped and (with
+        `redispatch`, at most `max_redispatch` times) dispatched again as a new rollout; the
+        orchestrator's scheduler passes redispatch=False and replaces it itself.
+
+        Cancelled, it aborts the request on its engine (shielded, bounded) and re-raises: the
+        caller writes the terminal record (the scheduler has already decided what it is)."""
+        attempts = 0
+        while True:
+            attempts += 1
+            completion = await self._generate_once(prompt_token_ids, sampling, engine_id,
+                                                   request_id if attempts == 1 else None, final_only)
+            completion.attempts = attempts
+            if (completion.status == "dropped" and completion.reason == "aborted" and redispatch
+                    and attempts <= self.max_redispatch):
+                continue
+            return completion
+
+    async def _generate_once(self, prompt_token_ids, sampling, engine_id, request_id,
+                             final_only: bool = False) -> FleetCompletion:
+        target = self._pick(engine_id)
+        while target in self._gates:  # draining for an activation: wait for it to end
+            await self._gates[target].wait()
+            target = self._pick(engine_id)
+        engine = self.engines[target]
+        rid = request_id or f"r{uuid.uuid4().hex[:16]}"
+        track = Track(rid, target, self.live_version, time.time())
+        self.tracks[rid] = track
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        spans = None
+        finish = None
+        status, reason, message = "completed", "", ""
+        kwargs = {"final_only": True} if final_only else {}
+        try:
+            with anyio.CancelScope() as scope:
+                track.cancel = scope
+                # Salted with the dispatched version: a new request never reuses keys/values
+                # cached under older weights, even where vLLM cannot reset the prefix cache
+                # (blocks held by running requests under `keep` or the pause-free flip).
+                async for chunk in engine.generate(rid, prompt_token_ids, sampling,
+                                                   cache_salt=version_salt(track.dispatched_version), **kwargs):
+                    if chunk.token_ids and track.first_token_at is None:
+                        track.first_token_at = time.time()
+                    tokens.extend(chunk.token_ids)
+                    logprobs.extend(chunk.logprobs)
+                    track.n_tokens = len(tokens)
+                    if chunk.finished:
+                        finish, spans = chunk.finish_reason, chunk.version_spans
+            if scope.cancelled_caught or track.fenced:
+                status, reason = "errored", "engine_fenced"
+            elif finish == "abort":
+                status, reason = "dropped", "aborted"
+            elif len(logprobs) != len(tokens):
+                # Never invent a logprob: a completion without them is not a usable sample.
+                status, reason = "errored", "missing_logprobs"
+                message = f"{len(logprobs)} logprobs for {len(tokens)} tokens"
+        except EngineDeadError as exc:
+            status, reason, message = "errored", "engine_died", str(exc)
+            log.warning("fleet.request_failed", request=rid, engine=target, error=str(exc))
+        except EngineError as exc:
+            status = "errored"
+            reason = "engine_fenced" if track.fenced else _error_kind(exc)
+            message = str(exc)
+        except BaseException:
+            # Cancelled (the run stops, or the caller gave up): the engine must not keep
+            # generating a rollout that nobody will record.
+            with anyio.CancelScope(shield=True), anyio.move_on_after(self.ft.resume_limit_s):
+                try:
+                    await engine.abort(rid)
+                except Exception:  # noqa: BLE001 - a dead engine has nothing to abort
+                    pass
+            raise
+        finally:
+            self.tracks.pop(rid, None)
+        versions = self._versions(track, spans, len(tokens))
+        carried = track.kv_mode == "keep" and any(k < len(tokens) for k, _v in track.switches)
+        if status == "errored" and reason == "missing_logprobs":
+            tokens, logprobs, versions = [], [], []
+        completion = FleetCompletion(rid, target, list(prompt_token_ids), tokens, logprobs, versions,
+                                     track.dispatched_version, carried, status, reason, finish,
+                                     dispatched_at=track.started_at, first_token_at=track.first_token_at,
+                                     finished_at=time.time(), message=message)
+        self.completions.append(completion)
+        return completion
+
+    def _versions(self, track: Track, spans, n: int) -> list[int]:
+        if spans is not None:
+            try:
+                versions = versions_from_spans(spans, n)
+            except ValueError:
+                versions = [track.dispatched_version] * n
+        else:
+            versions = [track.dispatched_version] * n
+        for k, v in track.switches:
+            for i in range(k, n):
+                if versions[i] < v:
+                    versions[i] = v
+        return versions
+
+    # -- what the scheduler needs -------------------------------------------------------------
+    def load(self) -> dict[str, int]:
+        """Requests in flight per serving engine."""
+        counts = {e: 0 for e in self.coordinator.serving}
+        for t in self.tracks.values():
+            if t.engine in counts:
+                counts[t.engine] += 1
+        return counts
+
+    async def abort_many(self, request_ids: Sequence[str]) -> None:
+        """Abort these requests, batched per engine. A request on a paused engine is aborted
+        when it resumes (no abort reaches a paused engine); one that already finished is
+        ignored (an abort that arrives late is harmless)."""
+        by_engine: dict[str, list[str]] = {}
+        for rid in request_ids:
+            track = self.tracks.get(rid)
+            if track is not None:
+                by_engine.setdefault(track.engine, []).append(rid)
+        async with anyio.create_task_group() as tg:
+            for engine_id, rids in by_engine.items():
+                if engine_id in self._paused:
+                    self._deferred_aborts.setdefault(engine_id, set()).update(rids)
+                else:
+                    tg.start_soon(self._abort_on, engine_id, rids)
+
+    async def _abort_on(self, engine_id: str, request_ids: Sequence[str]) -> None:
+        engine = self.engines[engine_id]
+        with anyio.move_on_after(self.ft.rpc_s):
+            for rid in request_ids:
+                if rid not in self.tracks:
+                    continue
+                try:
+                    await engine.abort(rid)
+                except EngineError as exc:
+                    log.warning("fleet.abort_failed", engine=engine_id, request=rid, error=str(exc))
+                    return
+
+
+def _error_kind(exc: Exception) -> str:
+    """A stable snake_case name for an engine error (EngineGenerateError -> engine_generate_error)."""
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", type(exc).__name__).lower()

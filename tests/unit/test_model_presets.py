@@ -1,0 +1,64 @@
+"""The tiny-rl preset (tiny's shapes, a narrow init) and ensure_model's refusal to reuse a
+directory built with another preset or seed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from orchestrator.errors import ModelError
+from orchestrator.model import PRESETS, build_model, ensure_model
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_tiny_rl_has_tinys_shapes_and_a_narrower_init():
+    tiny, rl = PRESETS["tiny"], PRESETS["tiny-rl"]
+    shape = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads")
+    assert [getattr(rl, f) for f in shape] == [getattr(tiny, f) for f in shape] == [1024, 128, 256, 2, 4, 2]
+    assert rl.init_std == 0.02 and tiny.init_std == 0.08 and PRESETS["small"].init_std == 0.08
+
+
+def test_tiny_rl_weights_have_std_002_and_a_near_uniform_first_token(tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    out, n_params = build_model(tmp_path / "rl", preset="tiny-rl", seed=0)
+    meta = json.loads((out / "inflight_model.json").read_text())
+    assert meta == {"preset": "tiny-rl", "seed": 0, "parameters": n_params}
+    weights = load_file(out / "model.safetensors")
+    matrices = torch.cat([w.flatten() for w in weights.values() if w.dim() >= 2])
+    assert float(matrices.std()) == pytest.approx(0.02, rel=0.05)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([[1, 87, 481]])).logits[0, -1]
+    probs = torch.softmax(logits, -1)
+    assert float(probs.max()) < 5.0 / 1024  # close to uniform: RL moves it quickly
+
+
+def test_ensure_model_reuses_only_a_directory_built_with_the_same_preset_and_seed(tmp_path):
+    path = tmp_path / "m"
+    assert ensure_model(path, preset="tiny-rl", seed=1) == path
+    before = (path / "model.safetensors").read_bytes()
+    assert ensure_model(path, preset="tiny-rl", seed=1) == path  # reused, not rebuilt
+    assert (path / "model.safetensors").read_bytes() == before
+    with pytest.raises(ModelError, match=str(path)) as info:
+        ensure_model(path, preset="tiny", seed=1)
+    assert "tiny-rl" in str(info.value)
+    with pytest.raises(ModelError, match="seed 1"):
+        ensure_model(path, preset="tiny-rl", seed=2)
+    (path / "inflight_model.json").unlink()
+    with pytest.raises(ModelError, match="inflight_model.json"):
+        ensure_model(path, preset="tiny-rl", seed=1)
+
+
+def test_model_init_offers_every_preset(tmp_path, capsys):
+    from orchestrator.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["model", "init", "--help"])
+    assert "tiny-rl" in capsys.readouterr().out
