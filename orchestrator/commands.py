@@ -30,6 +30,16 @@ def register(sub, bench_sub) -> None:
     gen.add_argument("--raw", action="store_true", help="tokenize the prompt as is, without the chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object per completion")
     gen.set_defaults(func=cmd_generate)
+    run = sub.add_parser("run", help="the orchestrator: rollouts in flight while a trainer steps (GRPO)",
+                         description="Run asynchronous RL: engines, trainer, task, replay log, live /stats. "
+                                     "With no CONFIG, the embedded default: the tiny-rl model on one CPU "
+                                     "engine learning the digits task.")
+    run.add_argument("config", nargs="?", help="TOML config (see examples/default.toml); default: embedded")
+    run.add_argument("--run-dir", help="run directory (default: run.dir of the config, runs/default)")
+    run.add_argument("--max-steps", type=int, help="trainer steps to run (default: run.max_steps)")
+    run.add_argument("--resume", action="store_true",
+                     help="continue the run in --run-dir after a crash or a stop (its config.json is used)")
+    run.set_defaults(func=cmd_run)
     __import__("orchestrator.bench_activation", fromlist=["register"]).register(bench_sub)
 
 
@@ -47,3 +57,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from orchestrator.generate import run_generate
 
     return anyio.run(run_generate, args)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import anyio
+
+    from orchestrator.config import load_config
+    from orchestrator.logging import log_to_file
+    from orchestrator.run import Run
+
+    config = load_config(args.config) if args.config else None
+    run = Run(config, args.run_dir, resume=args.resume, max_steps=args.max_steps)
+    run.run_dir.mkdir(parents=True, exist_ok=True)
+    log_to_file(Path(run.run_dir) / "orchestrator.jsonl", args.log_level)
+    return anyio.run(run.main)

@@ -36,6 +36,10 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Pause/resume/abort/health and other control calls.
     control_timeout_s: float = 60.0
     port: int | None = None  # kind="server": None picks a free port on 127.0.0.1
+    # Which distribution the sampled logprobs come from: vLLM's default "raw_logprobs" (before
+    # temperature / top-k / top-p) or "processed_logprobs" (what was sampled from). None: vLLM's
+    # default. `inflight run` picks processed_logprobs when the sampling is not plain.
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] | None = None
 
     def validate(self) -> EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 16:
@@ -213,7 +217,8 @@ class TransportConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class RunSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The run as a whole."""
 
-    dir: str = "runs/default"
+    # "{time}" becomes the start time (runs/20261130-142501), so every run gets its own directory.
+    dir: str = "runs/{time}"
     max_steps: int = 60
     seed: int = 0
     # Model preset built when `engine.model` is missing (see `inflight model init`).

@@ -27,3 +27,45 @@ def configure_logging(fmt: str = "auto", level: str = "info") -> None:
 
 def get_logger(name: str) -> structlog.stdlib.BoundLogger:
     return structlog.get_logger(name)
+
+
+class _TeeLogger:
+    """JSON lines to a file (every event); warnings and errors also to stderr."""
+
+    def __init__(self, file, stderr) -> None:
+        self._file, self._stderr = file, stderr
+
+    def _write(self, message: str, loud: bool) -> None:
+        self._file.write(message + "\n")
+        self._file.flush()
+        if loud:
+            print(message, file=self._stderr, flush=True)
+
+    def debug(self, message: str) -> None:
+        self._write(message, False)
+
+    info = msg = debug
+
+    def warning(self, message: str) -> None:
+        self._write(message, True)
+
+    error = critical = exception = fatal = warn = warning
+
+
+def log_to_file(path, level: str = "info") -> None:
+    """`inflight run`: the structured log goes to RUN_DIR/orchestrator.jsonl as JSON lines (the
+    terminal shows the progress display; only warnings and errors reach stderr)."""
+    handle = open(path, "a", encoding="utf-8")  # noqa: SIM115 - open for the life of the process
+    logger = _TeeLogger(handle, sys.stderr)
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            structlog.processors.JSONRenderer(),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
+        logger_factory=lambda *args: logger,
+        cache_logger_on_first_use=False,
+    )

@@ -166,6 +166,8 @@ class _Group:
     retries: int = 0
     state: str = "open"  # open, complete, consumed, dead
     dead_reason: str | None = None
+    n_live: int = 0  # members in flight or completed (not ended)
+    n_completed: int = 0
 
     def live_members(self) -> list[_Member]:
         return [m for m in self.members.values() if m.state in ("inflight", "completed")]
@@ -222,6 +224,14 @@ class Scheduler:
         self.stopping = False
         self.terminals = 0
         self._batch: tuple[int, ...] = ()
+        # Kept incrementally so that every event costs O(its own group), not O(all groups): at
+        # thousands of rollouts in flight a scan per event would dominate (inflight bench).
+        self._live = 0  # members in flight or completed, over every group (consumed ones too)
+        self._waiting = 0  # groups open or complete
+        self._complete: dict[int, _Group] = {}
+        self._refill_due: set[int] = set()
+        self._swept_for: int | None = None
+        self._batch_groups: tuple[int, ...] = ()
 
     # -- queries -----------------------------------------------------------------------------
     @property
@@ -235,7 +245,7 @@ class Scheduler:
         batch is what makes (k + 1) x batch size the bound at which nothing goes stale in steady
         state: a rollout admitted now, at version v >= s - 1 while the trainer steps on s, is
         consumed by step s + k at the latest, with staleness (s + k - 1) - (s - 1) = k."""
-        return sum(len(g.live_members()) for g in self.groups.values())
+        return self._live
 
     @property
     def admission_bound(self) -> int:
@@ -262,7 +272,13 @@ class Scheduler:
             for rollout in r.completed:
                 group.members[rollout.rollout_id] = _Member(rollout.rollout_id, r.group_id, None,
                                                             rollout.version, state="completed")
-            self.groups[r.group_id] = group
+            group.n_live = group.n_completed = len(r.completed)
+            self._live += group.n_live
+            self._add_group(group)
+            if group.n_completed >= self.n:
+                self._set_state(group, "complete")
+            else:
+                self._refill_due.add(group.group_id)
             self.next_group_id = max(self.next_group_id, r.group_id + 1)
 
     def start(self) -> list[Action]:
@@ -303,22 +319,22 @@ class Scheduler:
         group = self.groups[member.group_id]
         self.terminals += 1
         actions = self._outcome(member, group, event)
-        if group.state == "dead" and not group.inflight():
+        if group.state == "dead" and group.n_live == 0:
             self.groups.pop(group.group_id, None)
         return actions
 
     def _outcome(self, member: _Member, group: _Group, event: Finished) -> list[Action]:
         if event.outcome == "completed":
-            member.state = "completed"
+            self._member_state(member, group, "completed")
             actions: list[Action] = [Terminal(rollout_id=member.rollout_id, status="completed")]
             if group.state == "dead":  # aborted too late: it finished first, nobody will consume it
-                member.state = "ended"
+                self._member_state(member, group, "ended")
                 actions.append(Discard(rollout_ids=(member.rollout_id,), reason=group.dead_reason or STALE,
                                        step=self.next_step))
-            elif len(group.completed()) == self.n and group.state == "open":
-                group.state = "complete"
+            elif group.n_completed == self.n and group.state == "open":
+                self._set_state(group, "complete")
             return actions
-        member.state = "ended"
+        self._member_state(member, group, "ended")
         if event.outcome == "aborted":
             reason = member.abort_reason or ABORTED
             actions = [Terminal(rollout_id=member.rollout_id, status="dropped", reason=reason,
@@ -336,27 +352,32 @@ class Scheduler:
         group.retries += 1
         if group.retries > self.config.max_retries:
             return self._kill_group(group, GROUP_FAILED)
-        return []  # _refill_all dispatches the replacement
+        self._refill_due.add(group.group_id)  # _refill_all dispatches the replacement
+        return []
 
     def _step_done(self, event: StepDone) -> list[Action]:
         if self.batch_step is None or event.step != self.batch_step:
             raise SchedulerError(f"step {event.step} done, but the trainer holds {self.batch_step}")
         self.done_steps = event.step
         self.batch_step = None
-        self._batch = ()
         if event.version is not None:
             self.published = max(self.published, event.version)
-        for gid in [g for g, group in self.groups.items() if group.state == "consumed"]:
-            del self.groups[gid]
+        self._drop_consumed()
+        self._batch = ()
         return []
+
+    def _drop_consumed(self) -> None:
+        for rid in self._batch_groups:
+            group = self.groups.pop(rid)
+            self._live -= group.n_live
+        self._batch_groups = ()
 
     def _trainer_lost(self, event: TrainerLost) -> list[Action]:
         if self.batch_step is None or event.step != self.batch_step:
             return []
         lost = self._batch
+        self._drop_consumed()
         self.batch_step, self._batch = None, ()
-        for gid in [g for g, group in self.groups.items() if group.state == "consumed"]:
-            del self.groups[gid]
         self.submitted_steps = self.done_steps
         return [Discard(rollout_ids=lost, reason=TRAINER_LOST, step=event.step)] if lost else []
 
@@ -376,17 +397,22 @@ class Scheduler:
         """Groups that can no longer reach a step within the bound are dropped now."""
         actions: list[Action] = []
         step = self.next_step
+        if step == self._swept_for:  # staleness only changes with the step: nothing new to find
+            return actions
+        self._swept_for = step
         for group in list(self.groups.values()):
             if group.state in ("open", "complete") and self.staleness_for(step, group.version) > self.k:
                 actions += self._kill_group(group, STALE)
         return actions
 
     def _kill_group(self, group: _Group, reason: str) -> list[Action]:
-        group.state, group.dead_reason = "dead", reason
+        self._set_state(group, "dead")
+        group.dead_reason = reason
+        self._refill_due.discard(group.group_id)
         actions: list[Action] = []
         done = tuple(m.rollout_id for m in group.completed())
         for m in group.completed():
-            m.state = "ended"
+            self._member_state(m, group, "ended")
         if done:
             actions.append(Discard(rollout_ids=done, reason=reason, step=self.next_step))
         by_engine: dict[str, list[int]] = {}
@@ -395,15 +421,37 @@ class Scheduler:
                 m.abort_reason = reason
                 by_engine.setdefault(m.engine or "", []).append(m.rollout_id)
         actions += [Abort(engine=e, rollout_ids=tuple(ids), reason=reason) for e, ids in by_engine.items()]
-        if not group.inflight():
+        if group.n_live == 0:
             del self.groups[group.group_id]
         return actions
+
+    # -- bookkeeping -------------------------------------------------------------------------
+    def _add_group(self, group: _Group) -> None:
+        self.groups[group.group_id] = group
+        self._waiting += 1
+
+    def _set_state(self, group: _Group, state: str) -> None:
+        waiting = ("open", "complete")
+        self._waiting += (state in waiting) - (group.state in waiting)
+        if group.state == "complete":
+            self._complete.pop(group.group_id, None)
+        if state == "complete":
+            self._complete[group.group_id] = group
+        group.state = state
+
+    def _member_state(self, member: _Member, group: _Group, state: str) -> None:
+        live = ("inflight", "completed")
+        delta = (state in live) - (member.state in live)
+        group.n_live += delta
+        self._live += delta
+        group.n_completed += (state == "completed") - (member.state == "completed")
+        member.state = state
 
     def _serving(self) -> list[str]:
         return [e for e in self.engines if e not in self.down]
 
     def _waiting_groups(self) -> int:
-        return sum(1 for g in self.groups.values() if g.state in ("open", "complete"))
+        return self._waiting
 
     def _groups_needed(self) -> int:
         """Groups the remaining steps can still consume, minus those already on their way."""
@@ -442,16 +490,19 @@ class Scheduler:
     def _new_group(self) -> list[Action]:
         group = _Group(self.next_group_id, self.live)
         self.next_group_id += 1
-        self.groups[group.group_id] = group
+        self._add_group(group)
         return self._refill(group)
 
     def _refill_all(self) -> list[Action]:
         if self.stopping or not self._serving():
             return []
         actions: list[Action] = []
-        for group in self.groups.values():
-            if group.state == "open":
-                actions += self._refill(group)
+        for gid in sorted(self._refill_due):
+            group = self.groups.get(gid)
+            if group is None or group.state != "open":
+                self._refill_due.discard(gid)
+                continue
+            actions += self._refill(group)
         return actions
 
     def _refill(self, group: _Group) -> list[Action]:
@@ -459,8 +510,10 @@ class Scheduler:
         actions: list[Action] = []
         serving = self._serving()
         if not serving:
+            self._refill_due.add(group.group_id)  # when an engine serves again
             return actions
-        while len(group.live_members()) < self.n:
+        self._refill_due.discard(group.group_id)
+        while group.n_live < self.n:
             if group.dispatched >= ROLLOUT_ID_STRIDE:
                 return actions + self._kill_group(group, GROUP_FAILED)
             engine = min(serving, key=lambda e: self.engines[e])
@@ -468,6 +521,8 @@ class Scheduler:
             group.dispatched += 1
             member = _Member(rid, group.group_id, engine, max(self.live, group.version))
             group.members[rid] = member
+            group.n_live += 1
+            self._live += 1
             self.rollouts[rid] = member
             self.engines[engine] += 1
             actions.append(Dispatch(rollout_id=rid, group_id=group.group_id, engine=engine, version=member.version))
@@ -477,16 +532,18 @@ class Scheduler:
         if self.batch_step is not None or self.stopping or self.submitted_steps >= self.max_steps:
             return []
         step = self.done_steps + 1
-        ready = sorted((g for g in self.groups.values()
-                        if g.state == "complete" and self.staleness_for(step, g.version) <= self.k),
+        if len(self._complete) < self.config.batch_groups:
+            return []
+        ready = sorted((g for g in self._complete.values() if self.staleness_for(step, g.version) <= self.k),
                        key=lambda g: g.group_id)
         if len(ready) < self.config.batch_groups:
             return []
         chosen = ready[: self.config.batch_groups]
         rollout_ids: list[int] = []
         for group in chosen:
-            group.state = "consumed"
+            self._set_state(group, "consumed")
             rollout_ids += sorted(m.rollout_id for m in group.completed())
+        self._batch_groups = tuple(g.group_id for g in chosen)
         self.batch_step = step
         self.submitted_steps = step
         self._batch = tuple(rollout_ids)

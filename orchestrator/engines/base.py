@@ -152,14 +152,16 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     def generate(self, request_id: str, prompt_token_ids: Sequence[int],
-                 sampling: SamplingSettings, cache_salt: str | None = None) -> AsyncIterator[TokenChunk]:
+                 sampling: SamplingSettings, cache_salt: str | None = None,
+                 final_only: bool = False) -> AsyncIterator[TokenChunk]:
         """Stream the completion of one request. Raises EngineGenerateError when the request
         fails, EngineDeadError when the engine is gone, EngineTimeoutError past the
         per-chunk timeout. A request aborted with `abort()` ends with finish_reason "abort".
 
         Requests reuse cached prefixes only from requests with the same `cache_salt`; the
         fleet salts with the dispatched version so that no new request reads keys/values
-        computed under older weights."""
+        computed under older weights. `final_only` asks for one chunk at the end (an engine
+        may still stream)."""
 
     @abc.abstractmethod
     async def abort(self, request_id: str) -> None:

@@ -72,6 +72,8 @@ class InProcessEngine(Engine):
             enable_prefix_caching=self.config.enable_prefix_caching,
             disable_log_stats=True,
         )
+        if self.config.logprobs_mode:
+            kwargs["logprobs_mode"] = self.config.logprobs_mode
         if self.config.worker_extension_cls:
             kwargs["worker_extension_cls"] = self.config.worker_extension_cls
         if self.config.weight_transfer_backend:
@@ -103,7 +105,8 @@ class InProcessEngine(Engine):
         return self._llm
 
     async def generate(self, request_id: str, prompt_token_ids: Sequence[int],
-                       sampling: SamplingSettings, cache_salt: str | None = None) -> AsyncIterator[TokenChunk]:
+                       sampling: SamplingSettings, cache_salt: str | None = None,
+                       final_only: bool = False) -> AsyncIterator[TokenChunk]:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
         from vllm.v1.engine.exceptions import EngineDeadError as VllmDead
@@ -112,7 +115,9 @@ class InProcessEngine(Engine):
         sampling.validate()
         if not prompt_token_ids:
             raise ConfigError("prompt_token_ids", "must not be empty")
-        params = SamplingParams(**sampling.to_vllm(), output_kind=RequestOutputKind.DELTA)
+        # final_only: one output per request (no per-token Python work on the way); DELTA otherwise.
+        kind = RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.DELTA
+        params = SamplingParams(**sampling.to_vllm(), output_kind=kind)
         prompt: dict = {"prompt_token_ids": list(prompt_token_ids)}
         if cache_salt is not None:
             prompt["cache_salt"] = cache_salt

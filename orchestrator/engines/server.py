@@ -79,6 +79,8 @@ def server_command(config: EngineConfig, port: int) -> list[str]:
     if config.enforce_eager:
         cmd.append("--enforce-eager")
     cmd.append("--enable-prefix-caching" if config.enable_prefix_caching else "--no-enable-prefix-caching")
+    if config.logprobs_mode:
+        cmd += ["--logprobs-mode", config.logprobs_mode]
     if config.worker_extension_cls:
         cmd += ["--worker-extension-cls", config.worker_extension_cls]
     if config.weight_transfer_backend:
@@ -229,7 +231,9 @@ class ServerEngine(Engine):
             return False
 
     async def generate(self, request_id: str, prompt_token_ids: Sequence[int],
-                       sampling: SamplingSettings, cache_salt: str | None = None) -> AsyncIterator[TokenChunk]:
+                       sampling: SamplingSettings, cache_salt: str | None = None,
+                       final_only: bool = False) -> AsyncIterator[TokenChunk]:
+        # final_only is a hint: the server always streams (its SSE chunks carry the versions).
         sampling.validate()
         if not prompt_token_ids:
             raise ConfigError("prompt_token_ids", "must not be empty")

@@ -86,6 +86,11 @@ class World:
                 raise AssertionError(a)
         assert self.s.outstanding <= self.s.admission_bound
         assert self.s.inflight <= self.config.max_inflight
+        # the incremental bookkeeping agrees with a full count
+        groups = self.s.groups.values()
+        assert self.s.outstanding == sum(len(g.live_members()) for g in groups)
+        assert self.s._waiting == sum(g.state in ("open", "complete") for g in groups)
+        assert set(self.s._complete) == {g.group_id for g in groups if g.state == "complete"}
 
     def finish(self, index: int, outcome: str) -> None:
         if not self.inflight:

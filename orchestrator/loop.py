@@ -1,0 +1,371 @@
+"""`inflight run`: one anyio task group that keeps rollouts in flight while the trainer steps.
+
+    engines (Fleet) ──tokens──> rollout tasks ──Finished──> Scheduler ──actions──> perform
+    trainer ──StepDone──> consumption record, Scheduler, publish -> activator -> Fleet.activate
+    Recorder (writer thread) <── every record;  HTTP /stats /metrics /healthz;  progress
+
+The scheduler and the activation coordinator decide; this module only performs their actions
+and feeds back what happened. Every dispatched rollout ends in exactly one terminal record:
+the scheduler emits it, `perform` writes it. On SIGINT/SIGTERM the run stops admitting, aborts
+what is in flight, gives every rollout its record within `run.shutdown_grace_s`, lets the
+trainer finish the step it holds, flushes the log, stops trainer and engines and exits 0; a
+second SIGINT exits 130 at once.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+
+import anyio
+import numpy as np
+
+from orchestrator import scheduler as sch
+from orchestrator.logging import get_logger
+from orchestrator.progress import StepLine
+from orchestrator.recording import RolloutContext, build_rollout_record
+from orchestrator.resume import CRASHED, JournalEntry
+from orchestrator.trainer.link import Batch, Failed, Sample, StepDone
+
+log = get_logger(__name__)
+
+
+class RunLoop:
+    """The running part of a run; `orchestrator.run.Run` sets it up and tears it down."""
+
+    def __init__(self, run) -> None:
+        self.run = run  # orchestrator.run.Run: config, fleet, scheduler, recorder, trainer, task, ...
+        self.contexts: dict[int, RolloutContext] = {}
+        self.completions: dict[int, object] = {}  # rollout id -> FleetCompletion (completed, not yet settled)
+        self.rewards: dict[int, dict[str, float]] = {}
+        self.prompts: dict[int, object] = {}
+        self.batch: tuple[int, tuple[int, ...], float] | None = None
+        self.stop_requested = anyio.Event()
+        self.stop_reason = ""
+        self.failure: str | None = None
+        self.wanted_version = 0
+        self._version_wanted = anyio.Event()
+        self._tg = None
+        self._rollout_scope: anyio.CancelScope | None = None
+        self._pending_dispatch: list[sch.Dispatch] = []
+        self.dispatched_at: dict[int, tuple[sch.Dispatch, float]] = {}
+        self._dispatch_wakeup = anyio.Event()
+
+    def restore_completed(self, records: dict) -> None:
+        """Completed, unconsumed rollouts of a crashed run (resume.py): their groups are
+        restored in the scheduler, so their samples must be ready for a batch."""
+        from orchestrator.rollouts import FleetCompletion
+
+        for rid, r in records.items():
+            tokens = r.completion_tokens().tolist()
+            self.contexts[rid] = RolloutContext(rid, r.group_id, r.prompt_id, tuple(r.prompt_tokens().tolist()),
+                                                r.timings.dispatched_at, r.dispatched_version, r.engine_id)
+            self.completions[rid] = FleetCompletion(
+                str(rid), r.engine_id, list(self.contexts[rid].prompt_token_ids), tokens, r.logprobs().tolist(),
+                r.expand_versions().tolist(), r.dispatched_version, r.kv_carried_across_versions, "completed")
+            self.rewards[rid] = dict(r.rewards)
+
+    # -- the task group ----------------------------------------------------------------------
+    async def main(self, restored_actions: list) -> None:
+        async with anyio.create_task_group() as tg:
+            self._tg = tg
+            tg.start_soon(self._signals)
+            tg.start_soon(self._trainer_messages)
+            tg.start_soon(self._activator)
+            tg.start_soon(self._loop_lag)
+            tg.start_soon(self._dispatcher)
+            if self.run.http is not None:
+                tg.start_soon(self.run.http.serve, self.run.http_socket)
+            self.perform(restored_actions)
+            await self.stop_requested.wait()
+            await self._shutdown()
+            if self.run.http is not None:
+                self.run.http.stop()
+            tg.cancel_scope.cancel()
+
+    def request_stop(self, reason: str, failure: str | None = None) -> None:
+        if failure and not self.failure:
+            self.failure = failure
+        if not self.stop_requested.is_set():
+            self.stop_reason = reason
+            log.info("run.stopping", reason=reason, failure=failure)
+            self.run.progress.state.status = f"stopping ({reason})"
+            self.run.progress.refresh()
+            self.stop_requested.set()
+
+    async def _signals(self) -> None:
+        with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for signum in signals:
+                if self.stop_requested.is_set() and signum == signal.SIGINT:
+                    os._exit(130)  # a second Ctrl-C: the user wants out now
+                self.request_stop(signal.Signals(signum).name)
+
+    # -- performing the scheduler's actions -------------------------------------------------
+    def perform(self, actions: list) -> None:
+        for a in actions:
+            if isinstance(a, sch.Dispatch):
+                self.dispatched_at[a.rollout_id] = (a, time.time())
+                self._pending_dispatch.append(a)
+                self._dispatch_wakeup.set()
+            elif isinstance(a, sch.Terminal):
+                self._write_terminal(a)
+            elif isinstance(a, sch.Discard):
+                self._discard(a)
+            elif isinstance(a, sch.Abort):
+                ids = [request_id(rid) for rid in a.rollout_ids]
+                self._tg.start_soon(self.run.fleet.abort_many, ids)
+            elif isinstance(a, sch.SubmitBatch):
+                self._submit(a)
+        self.run.metrics.inflight.set(self.run.scheduler.inflight)
+        self.run.progress.state.inflight = self.run.scheduler.inflight
+
+    def handle(self, event) -> None:
+        self.perform(self.run.scheduler.handle(event))
+
+    async def _dispatcher(self) -> None:
+        """Journals each batch of dispatches durably, then starts their rollouts."""
+        async with anyio.create_task_group() as rollouts:
+            self._rollout_scope = rollouts.cancel_scope
+            while True:
+                await self._dispatch_wakeup.wait()
+                self._dispatch_wakeup = anyio.Event()
+                batch, self._pending_dispatch = self._pending_dispatch, []
+                entries, started = [], []
+                for d in batch:
+                    ctx = await self._context(d.rollout_id)
+                    if d.rollout_id in self.run.scheduler.rollouts:  # not ended meanwhile (a stop)
+                        entries.append(JournalEntry(d.rollout_id, d.group_id, d.engine, d.version, ctx.dispatched_at))
+                        started.append(d)
+                await self.run.journal.append(entries)
+                for d in started:
+                    rollouts.start_soon(self._rollout, d)
+
+    async def _context(self, rollout_id: int) -> RolloutContext:
+        ctx = self.contexts.get(rollout_id)
+        if ctx is None:
+            d, at = self.dispatched_at[rollout_id]
+            prompt = await self._prompt(d.group_id)
+            ctx = self.contexts[rollout_id] = RolloutContext(
+                rollout_id, d.group_id, prompt.prompt_id, tuple(prompt.token_ids), at, d.version, d.engine)
+        return ctx
+
+    async def _prompt(self, group_id: int):
+        prompt = self.prompts.get(group_id)
+        if prompt is None:
+            prompt = self.prompts[group_id] = await self.run.task.prompt(group_id)
+        return prompt
+
+    async def _rollout(self, d: sch.Dispatch) -> None:
+        from orchestrator.errors import ActivationError, EngineError
+
+        ctx = self.contexts[d.rollout_id]
+        completion = None
+        try:
+            if self.run.scheduler.rollouts.get(d.rollout_id) is None:
+                return  # ended before it started (the run stopped): its record is written
+            try:
+                completion = await self.run.fleet.generate(
+                    ctx.prompt_token_ids, self.run.sampling, engine_id=d.engine,
+                    request_id=request_id(d.rollout_id), redispatch=False, final_only=True)
+            except (EngineError, ActivationError) as exc:  # fenced before it started, or no engine left
+                self._finished(d, None, "errored", "engine_fenced", str(exc))
+                return
+            if completion.status == "completed":
+                self.rewards[d.rollout_id] = await self.run.task.score(self.prompts[d.group_id],
+                                                                      completion.token_ids)
+                self._finished(d, completion, "completed")
+            elif completion.status == "dropped":
+                self._finished(d, completion, "aborted", message=completion.message)
+            else:
+                self._finished(d, completion, "errored", completion.reason, completion.message)
+                if completion.reason == "engine_died":
+                    await self.run.fleet.engine_died(completion.engine_id, completion.message)
+                    self.handle(sch.EngineDown(engine=completion.engine_id))
+        except BaseException:
+            # Cancelled (shutdown past its grace): the scheduler already chose the drop reason.
+            self._finished(d, completion, "aborted")
+            raise
+
+    def _finished(self, d: sch.Dispatch, completion, outcome: str, kind: str = "", message: str = "") -> None:
+        if d.rollout_id not in self.run.scheduler.rollouts:
+            return
+        if completion is not None:
+            self.completions[d.rollout_id] = completion
+        self.handle(sch.Finished(rollout_id=d.rollout_id, outcome=outcome, kind=kind, message=message))
+
+    def _write_terminal(self, t: sch.Terminal) -> None:
+        ctx = self.contexts[t.rollout_id]  # every rollout that can end has one (see _shutdown)
+        rewards = self.rewards.get(t.rollout_id) if t.status == "completed" else None
+        record = build_rollout_record(ctx, t, self.completions.get(t.rollout_id), rewards,
+                                      identity=self.run.identity, sampling=self.run.sampling)
+        self.run.recorder.submit(record)
+        if t.status != "completed":
+            self._forget(t.rollout_id)
+
+    def _forget(self, rollout_id: int) -> None:
+        self.dispatched_at.pop(rollout_id, None)
+        self.completions.pop(rollout_id, None)
+        self.rewards.pop(rollout_id, None)
+        self.contexts.pop(rollout_id, None)
+
+    def _discard(self, a: sch.Discard) -> None:
+        from replay.records import DiscardRecord
+
+        self.run.recorder.submit(DiscardRecord(rollout_ids=list(a.rollout_ids), reason=a.reason, step=a.step,
+                                               at=time.time()))
+        for rid in a.rollout_ids:
+            self._forget(rid)
+
+    # -- the trainer ---------------------------------------------------------------------------
+    def _sample(self, rid: int) -> Sample:
+        completion = self.completions[rid]
+        ctx = self.contexts[rid]
+        return Sample(rollout_id=rid, group_id=ctx.group_id,
+                      prompt_token_ids=np.asarray(ctx.prompt_token_ids, np.int32).tobytes(),
+                      completion_token_ids=np.asarray(completion.token_ids, np.int32).tobytes(),
+                      logprobs=np.asarray(completion.logprobs, np.float32).tobytes(),
+                      reward=float(self.rewards[rid]["reward"]), dispatched_version=completion.dispatched_version)
+
+    def _submit(self, a: sch.SubmitBatch) -> None:
+        batch = Batch(step=a.step, samples=[self._sample(rid) for rid in a.rollout_ids])
+        self.batch = (a.step, a.rollout_ids, time.monotonic())
+        self._tg.start_soon(self.run.trainer.link.send, batch)
+
+    async def _trainer_messages(self) -> None:
+        trainer = self.run.trainer
+        while True:
+            try:
+                message = await trainer.link.recv(1.0)
+            except TimeoutError:
+                if not trainer.alive:
+                    self._trainer_lost(f"the trainer process exited (code {trainer.process.returncode}); "
+                                       f"see {self.run.run_dir / 'trainer.log'}")
+                    return
+                if self.batch and time.monotonic() - self.batch[2] > self.run.config.trainer.step_timeout_s:
+                    self._trainer_lost(f"step {self.batch[0]} took longer than trainer.step_timeout_s")
+                    return
+                continue
+            if isinstance(message, StepDone):
+                self._step_done(message)
+            elif isinstance(message, Failed):
+                self._trainer_lost(f"the trainer failed at step {message.step}: {message.error}")
+                return
+
+    def _trainer_lost(self, why: str) -> None:
+        log.error("trainer.lost", reason=why)
+        if self.batch is not None:
+            self.handle(sch.TrainerLost(step=self.batch[0]))
+            self.batch = None
+        self.request_stop("trainer lost", failure=why)
+
+    def _step_done(self, m: StepDone) -> None:
+        if self.batch is None or self.batch[0] != m.step:
+            log.error("trainer.unexpected_step", step=m.step, holding=self.batch and self.batch[0])
+            return
+        _, rollout_ids, started = self.batch
+        self.batch = None
+        staleness, in_flight = [], []
+        for rid in rollout_ids:
+            c = self.completions[rid]
+            staleness.append((m.step - 1) - c.dispatched_version)
+            versions = c.versions or [c.dispatched_version]
+            in_flight.append(versions[-1] - versions[0])
+        self.run.recorder.submit(consumption_record(m))
+        self.run.metrics.on_step(m.step, staleness, in_flight, m.reward_mean)
+        self.run.tensorboard_step(m, staleness)
+        for rid in rollout_ids:
+            self._forget(rid)
+        self.handle(sch.StepDone(step=m.step, version=m.version))
+        self.run.progress.step(StepLine(m.step, m.reward_mean, float(np.mean(staleness)), int(max(staleness)),
+                                        self.run.metrics.tokens_per_second, self.run.fleet.live_version,
+                                        m.loss, time.monotonic() - started))
+        if m.version is not None:
+            self.wanted_version = max(self.wanted_version, m.version)
+            self._version_wanted.set()
+        if self.run.scheduler.done_steps >= self.run.max_steps:
+            self.request_stop("done")
+
+    # -- activation ----------------------------------------------------------------------------
+    async def _activator(self) -> None:
+        """Activates the newest published version; a failed one is retried (newest wins)."""
+        fleet = self.run.fleet
+        failures = 0
+        while True:
+            await self._version_wanted.wait()
+            self._version_wanted = anyio.Event()
+            version = self.wanted_version
+            if version <= fleet.live_version:
+                continue
+            record = await fleet.activate(version)
+            self.run.record_activation(record)
+            for eo in record.engines:
+                if eo.outcome == "engine_fenced":
+                    self.handle(sch.EngineDown(engine=eo.engine))
+            if record.outcome in ("activated", "engine_fenced"):
+                failures = 0
+                self.run.metrics.live_version.set(version)
+                self.run.progress.state.live_version = version
+                self.run.progress.state.last_activation = (
+                    f"v{version} {record.outcome} "
+                    f"(pause {max((e.pause_s for e in record.engines), default=0):.3f}s)")
+                self.handle(sch.VersionLive(version=version))
+            else:
+                failures += 1
+                log.warning("activation.failed", version=version, outcome=record.outcome, message=record.message)
+                if not fleet.coordinator.serving:
+                    self.request_stop("no engine serves", failure="every engine is fenced")
+                    return
+                await anyio.sleep(min(30.0, 0.5 * 2 ** failures))
+                self._version_wanted.set()  # retry: the newest version wanted then
+
+    async def _loop_lag(self) -> None:
+        while True:
+            before = time.monotonic()
+            await anyio.sleep(0.25)
+            self.run.metrics.loop_lag.set(max(0.0, time.monotonic() - before - 0.25))
+
+    # -- stopping ------------------------------------------------------------------------------
+    async def _shutdown(self) -> None:
+        scheduler = self.run.scheduler
+        self.handle(sch.Stop())
+        grace = self.run.config.run.shutdown_grace_s
+        with anyio.move_on_after(grace):
+            while scheduler.rollouts:
+                await anyio.sleep(0.02)
+        if self._rollout_scope is not None:
+            self._rollout_scope.cancel()  # each cancelled rollout writes its record on the way out
+        await anyio.sleep(0)
+        for rid in list(scheduler.rollouts):  # dispatched, never started: no engine saw them
+            await self._context(rid)
+            self.handle(sch.Finished(rollout_id=rid, outcome="aborted"))
+        # The trainer finishes the step it holds (its consumption is recorded), then stops.
+        with anyio.move_on_after(self.run.config.trainer.step_timeout_s if self.stop_reason != "trainer lost" else 0):
+            while self.batch is not None and self.run.trainer.alive:
+                await anyio.sleep(0.05)
+        if self.batch is not None:
+            self.handle(sch.TrainerLost(step=self.batch[0]))
+            self.batch = None
+
+
+def request_id(rollout_id: int) -> str:
+    return f"rollout-{rollout_id}"
+
+
+def consumption_record(m: StepDone):
+    from replay.records import ConsumptionRecord
+
+    metrics = {k: float(v) for k, v in m.metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+    return ConsumptionRecord(step=m.step, rollout_ids=list(m.rollout_ids), advantages=m.advantages,
+                             log_ratio_mean=m.log_ratio_mean, log_ratio_max_abs=m.log_ratio_max_abs,
+                             reward_mean=m.reward_mean, loss=m.loss, version=m.version, metrics=metrics)
+
+
+def crashed_record(entry: JournalEntry, prompt, *, identity, sampling):
+    """The terminal record of a rollout that was in flight when the orchestrator died: what the
+    journal knows (ids, engine, dispatched version and time), no tokens, nothing invented."""
+    ctx = RolloutContext(entry.rollout_id, entry.group_id, prompt.prompt_id, tuple(prompt.token_ids), entry.at,
+                         entry.version, entry.engine)
+    return build_rollout_record(ctx, sch.Terminal(rollout_id=entry.rollout_id, status="dropped", reason=CRASHED),
+                                None, None, identity=identity, sampling=sampling)

@@ -1,0 +1,81 @@
+"""Prometheus metrics of a run (prometheus_client, one registry per run).
+
+The rollout counters are incremented from the records the run writes (never from anything
+else), so at a quiescent moment they equal the log's own counts.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LAG_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32)
+SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class RunMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.inflight = Gauge("inflight_rollouts_in_flight", "Rollouts dispatched and not yet ended", registry=r)
+        self.rollouts = Counter("inflight_rollouts", "Terminal rollout records by status and reason",
+                                ["status", "reason"], registry=r)
+        self.discarded = Counter("inflight_discarded_rollouts", "Completed rollouts no step consumed, by reason",
+                                 ["reason"], registry=r)
+        self.consumed = Counter("inflight_consumed_rollouts", "Rollouts consumed by trainer steps", registry=r)
+        self.staleness = Histogram("inflight_staleness_steps", "(step - 1) - dispatched version of consumed samples",
+                                   buckets=LAG_BUCKETS, registry=r)
+        self.in_flight_lag = Histogram("inflight_in_flight_lag_steps", "Last minus first version of a consumed "
+                                       "sample's tokens", buckets=LAG_BUCKETS, registry=r)
+        self.live_version = Gauge("inflight_live_version", "The policy version every serving engine runs", registry=r)
+        self.activation = Histogram("inflight_activation_seconds", "Activation time per engine by phase",
+                                    ["phase"], buckets=SECONDS_BUCKETS, registry=r)
+        self.activations = Counter("inflight_activations", "Activations by outcome", ["outcome"], registry=r)
+        self.tokens_per_s = Gauge("inflight_tokens_per_second", "Completion tokens per second over the last step",
+                                  registry=r)
+        self.tokens = Counter("inflight_completion_tokens", "Completion tokens of completed rollouts", registry=r)
+        self.loop_lag = Gauge("inflight_event_loop_lag_seconds", "How late the event loop woke a 0.25 s sleep",
+                              registry=r)
+        self.trainer_step = Gauge("inflight_trainer_step", "Trainer optimizer steps done", registry=r)
+        self.reward = Gauge("inflight_reward_mean", "Mean reward of the last step's batch", registry=r)
+        self._tokens_mark = (time.monotonic(), 0)
+
+    def on_record(self, record) -> None:
+        """Called for every record the run writes."""
+        from replay.records import ActivationRecord, Dropped, Errored, RolloutRecord
+
+        if isinstance(record, RolloutRecord):
+            status = record.status
+            reason = status.reason if isinstance(status, Dropped) else status.kind if isinstance(status, Errored) else ""
+            self.rollouts.labels(record.status_name, reason).inc()
+            if record.status_name == "completed":
+                self.tokens.inc(record.num_completion_tokens)
+        elif isinstance(record, ActivationRecord):
+            self.activations.labels(record.outcome).inc()
+            for engine in record.engines:
+                self.activation.labels("transfer").observe(engine.transfer_s)
+                self.activation.labels("pause").observe(engine.pause_s)
+        elif type(record).__name__ == "DiscardRecord":
+            self.discarded.labels(record.reason).inc(len(record.rollout_ids))
+
+    def on_step(self, step: int, staleness: list[int], in_flight_lag: list[int], reward: float | None) -> None:
+        self.trainer_step.set(step)
+        self.consumed.inc(len(staleness))
+        for s in staleness:
+            self.staleness.observe(s)
+        for lag in in_flight_lag:
+            self.in_flight_lag.observe(lag)
+        if reward is not None:
+            self.reward.set(reward)
+        now, total = time.monotonic(), self.tokens._value.get()
+        then, before = self._tokens_mark
+        if now > then:
+            self.tokens_per_s.set((total - before) / (now - then))
+        self._tokens_mark = (now, total)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens_per_s._value.get()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

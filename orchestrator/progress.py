@@ -1,0 +1,134 @@
+"""What a person sees during and after `inflight run`: a live display on a terminal (rich), one
+plain line per step otherwise, and a one-screen summary at the end."""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class StepLine:
+    step: int
+    reward: float | None
+    staleness_mean: float | None
+    staleness_max: int | None
+    tokens_per_s: float
+    live_version: int
+    loss: float | None
+    seconds: float
+
+
+@dataclass
+class ProgressState:
+    max_steps: int
+    steps: list[StepLine] = field(default_factory=list)
+    last_activation: str = "none yet"
+    live_version: int = 0
+    inflight: int = 0
+    status: str = "starting"
+    started: float = field(default_factory=time.monotonic)
+
+
+def sparkline(values: list[float]) -> str:
+    """The reward curve in one line of block characters (scaled to 0..1)."""
+    bars = " ▁▂▃▄▅▆▇█"
+    out = []
+    for v in values:
+        v = min(1.0, max(0.0, v))
+        out.append(bars[round(v * (len(bars) - 1))])
+    return "".join(out)
+
+
+def _fmt(value, spec: str = ".3f", none: str = "-") -> str:
+    return none if value is None else format(value, spec)
+
+
+class Progress:
+    """mode: rich (live panel), plain (a line per step), none."""
+
+    def __init__(self, state: ProgressState, mode: str = "auto", stream=None) -> None:
+        self.state = state
+        self.stream = stream or sys.stderr
+        if mode == "auto":
+            mode = "rich" if self.stream.isatty() else "plain"
+        self.mode = mode
+        self._live = None
+
+    def __enter__(self) -> Progress:
+        if self.mode == "rich":
+            from rich.console import Console
+            from rich.live import Live
+
+            self._live = Live(self._render(), console=Console(file=self.stream), refresh_per_second=4,
+                              transient=False)
+            self._live.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._live is not None:
+            self._live.update(self._render())
+            self._live.__exit__(*exc)
+            self._live = None
+
+    def step(self, line: StepLine) -> None:
+        self.state.steps.append(line)
+        if self.mode == "plain":
+            print(f"step {line.step}/{self.state.max_steps}  reward {_fmt(line.reward)}  "
+                  f"staleness mean {_fmt(line.staleness_mean, '.2f')} max {_fmt(line.staleness_max, 'd')}  "
+                  f"tokens/s {line.tokens_per_s:.0f}  live v{line.live_version}  loss {_fmt(line.loss, '.4f')}  "
+                  f"({line.seconds:.2f}s)", file=self.stream, flush=True)
+        self.refresh()
+
+    def note(self, text: str) -> None:
+        if self.mode == "plain":
+            print(text, file=self.stream, flush=True)
+        self.refresh()
+
+    def refresh(self) -> None:
+        if self._live is not None:
+            self._live.update(self._render())
+
+    def _render(self):
+        from rich.panel import Panel
+        from rich.table import Table
+
+        s = self.state
+        last = s.steps[-1] if s.steps else None
+        table = Table.grid(padding=(0, 2))
+        table.add_row("step", f"{last.step if last else 0} / {s.max_steps}", "status", s.status)
+        table.add_row("reward", _fmt(last.reward if last else None), "live version", f"v{s.live_version}")
+        table.add_row("staleness", f"mean {_fmt(last.staleness_mean if last else None, '.2f')} "
+                                   f"max {_fmt(last.staleness_max if last else None, 'd')}",
+                      "in flight", str(s.inflight))
+        table.add_row("tokens/s", f"{last.tokens_per_s:.0f}" if last else "-", "last activation", s.last_activation)
+        table.add_row("reward curve", sparkline([x.reward or 0.0 for x in s.steps][-60:]), "", "")
+        return Panel(table, title="inflight run", expand=False)
+
+
+def summary(state: ProgressState, stats: dict, run_dir: str, http_url: str | None) -> str:
+    """The one-screen summary printed when the run ends."""
+    rewards = [x.reward for x in state.steps if x.reward is not None]
+    staleness = stats.get("staleness", {})
+    acts = stats.get("activations", {})
+    pause = (acts.get("pause_s") or {})
+    counts = stats.get("rollouts", {})
+    lines = [
+        f"inflight run: {len(state.steps)} steps in {time.monotonic() - state.started:.0f}s  ({run_dir})",
+        f"  reward      first {_fmt(rewards[0] if rewards else None)}  last {_fmt(rewards[-1] if rewards else None)}"
+        f"  best {_fmt(max(rewards) if rewards else None)}",
+        f"  curve       {sparkline(rewards[-72:])}",
+        f"  staleness   mean {_fmt(staleness.get('mean'), '.2f')}  max {staleness.get('max', '-')}"
+        f"  histogram {staleness.get('histogram', {})}",
+        f"  rollouts    {counts.get('completed', 0)} completed, {counts.get('dropped', 0)} dropped, "
+        f"{counts.get('errored', 0)} errored; dropped for staleness {stats.get('dropped_for_staleness', 0)}",
+        f"  activations {acts.get('count', 0)} {acts.get('by_outcome', {})}  pause p50 "
+        f"{_fmt(pause.get('p50'), '.3f')}s",
+        "",
+        "next:",
+        f"  inflight stats {run_dir}                  staleness, spans, activations",
+        f"  inflight export {run_dir} --parquet rollouts.parquet",
+        f"  inflight replay {run_dir}                 off-policy analysis (when available)",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,302 @@
+"""Setting up and tearing down one `inflight run`: run directory, model, replay log, trainer,
+engines, fleet, scheduler, HTTP, progress; `loop.RunLoop` does the running.
+
+RUN_DIR holds:
+    config.json          the resolved configuration (every default written out)
+    replay/              the replay log (inflight stats / export read it)
+    dispatch.journal     every dispatch, durable before its request is sent (resume.py)
+    weights/vNNNNNNNN/   the retained versions (filesystem transport, keep_last)
+    trainer/step-*/      trainer checkpoints (model, optimizer, the step's consumption)
+    orchestrator.jsonl   the structured log (JSON lines); trainer.log, engine logs
+    tensorboard/         TensorBoard event files
+    http.json            the live query server's address
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+
+import anyio
+import msgspec
+
+from orchestrator import scheduler as sch
+from orchestrator.config import RunConfig
+from orchestrator.errors import ConfigError, InflightError
+from orchestrator.logging import get_logger
+from orchestrator.progress import Progress, ProgressState, summary
+
+log = get_logger(__name__)
+CONFIG_FILE = "config.json"
+
+
+class RunFailed(InflightError):
+    """The run could not go on (the trainer failed, every engine is fenced)."""
+
+
+def resolve_config(config: RunConfig | None, run_dir: Path, resume: bool) -> RunConfig:
+    """On --resume the run's own config.json is the truth (a config file given as well must be
+    the same run's); otherwise the given config (or the embedded default)."""
+    stored = run_dir / CONFIG_FILE
+    if resume:
+        if not stored.exists():
+            raise ConfigError("--resume", f"{run_dir} holds no run to resume (no {CONFIG_FILE})")
+        saved = msgspec.json.decode(stored.read_bytes(), type=RunConfig).validate()
+        return saved
+    if stored.exists():
+        raise ConfigError("--run-dir", f"{run_dir} already holds a run; use --resume to continue it "
+                                       f"or choose another directory")
+    return config or RunConfig().validate()
+
+
+def run_sampling(config: RunConfig):
+    """The sampling every rollout uses, and the logprobs mode that makes the engine's sampled
+    logprobs the distribution the trainer's ratio is computed on."""
+    s = config.sampling
+    if s.top_p < 1.0 or s.top_k not in (0, -1) or getattr(s, "min_p", 0.0):
+        raise ConfigError("sampling.top_p", "inflight run trains on temperature-scaled logprobs only: "
+                                            "top_p, top_k and min_p truncate the distribution, which "
+                                            "the trainer does not replicate (leave them off)")
+    plain = s.temperature == 1.0
+    return s, ("raw_logprobs" if plain else "processed_logprobs")
+
+
+class Run:
+    def __init__(self, config: RunConfig | None, run_dir: str | Path | None, *, resume: bool = False,
+                 max_steps: int | None = None) -> None:
+        base = config or RunConfig().validate()
+        self.run_dir = Path(run_dir or base.run.dir.replace("{time}", time.strftime("%Y%m%d-%H%M%S"))).resolve()
+        self.resume = resume
+        self.config = resolve_config(config, self.run_dir, resume)
+        self.max_steps = max_steps or self.config.run.max_steps
+        if self.max_steps < 1:
+            raise ConfigError("--max-steps", f"must be >= 1, got {self.max_steps}")
+        self.sampling, self.logprobs_mode = run_sampling(self.config)
+        self.http = None
+        self.http_socket = None
+        self.progress = Progress(ProgressState(self.max_steps), self.config.run.progress)
+        self._tb = None
+
+    # -- the whole run -------------------------------------------------------------------------
+    async def main(self) -> int:
+        from orchestrator.loop import RunLoop
+
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if not self.resume:
+            (self.run_dir / CONFIG_FILE).write_bytes(msgspec.json.format(msgspec.json.encode(self.config)))
+        self.run_id = self._run_id()
+        self.loop = RunLoop(self)
+        with self.progress:
+            try:
+                restored_actions = await self._setup()
+                await self.loop.main(restored_actions)
+            finally:
+                await self._teardown()
+        stats = self.recorder_stats
+        print(summary(self.progress.state, stats, str(self.run_dir), self.http and self.http.url))
+        if self.loop.failure:
+            raise RunFailed(self.loop.failure)
+        return 0
+
+    def _run_id(self) -> str:
+        path = self.run_dir / "run_id"
+        if path.exists():
+            return path.read_text().strip()
+        run_id = uuid.uuid4().hex[:12]
+        path.write_text(run_id + "\n")
+        return run_id
+
+    async def _setup(self) -> list:
+        from orchestrator.engines import make_engine
+        from orchestrator.fleet import Fleet
+        from orchestrator.metrics import RunMetrics
+        from orchestrator.model import ensure_model
+        from orchestrator.recording import Recorder, policy_identity
+        from orchestrator.resume import DispatchJournal
+        from orchestrator.tasks import make_task
+        from orchestrator.trainer.launcher import TrainerProcess
+
+        config = self.config
+        self.progress.state.status = "building the model" if not Path(config.engine.model).exists() else "starting"
+        self.progress.refresh()
+        model_dir = str(await anyio.to_thread.run_sync(
+            lambda: ensure_model(config.engine.model, preset=config.run.model_preset, seed=config.run.seed)))
+        self.identity = policy_identity(model_dir, config.engine.dtype, self.logprobs_mode)
+        self.metrics = RunMetrics()
+        self.recorder = Recorder(self.run_dir, fsync_every_records=config.run.fsync_every_records,
+                                 fsync_every_ms=config.run.fsync_every_ms, on_record=self.metrics.on_record)
+        self.journal = DispatchJournal(self.run_dir)
+        self.task = make_task(config.task, model_dir)
+        self.progress.state.status = "starting the trainer and engines"
+        self.progress.refresh()
+        self.trainer = TrainerProcess(config, self.run_dir, model_dir, resume=self.resume)
+        self.engines = []
+        for engine_id, engine_config in config.engine_configs():
+            engine_config = msgspec.structs.replace(engine_config, model=model_dir,
+                                                    logprobs_mode=self.logprobs_mode)
+            self.engines.append(make_engine(engine_config, engine_id, log_dir=self.run_dir))
+        ready = None
+
+        async def start_trainer() -> None:
+            nonlocal ready
+            ready = await self.trainer.start()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(start_trainer)
+            for engine in self.engines:
+                tg.start_soon(engine.start)
+        self.fleet = Fleet.from_config(self.engines, config.activation)
+        await self.fleet.setup(ready.plan_json, ready.weights_root, timeout_s=config.transport.timeout_s)
+        restored = await self._restore(ready)
+        if ready.version > 0:  # resumed: serve the newest published weights before any rollout
+            record = await self.fleet.activate(ready.version)
+            self.record_activation(record)
+            if record.outcome not in ("activated", "engine_fenced"):
+                raise RunFailed(f"could not activate version {ready.version} on resume: {record.message}")
+        self.metrics.live_version.set(self.fleet.live_version)
+        self.progress.state.live_version = self.fleet.live_version
+        self.scheduler = sch.Scheduler(config.scheduler, [e.engine_id for e in self.engines],
+                                       max_steps=self.max_steps, done_steps=ready.step,
+                                       live_version=self.fleet.live_version, published_version=ready.version,
+                                       next_group_id=restored.next_group_id)
+        self.scheduler.restore(restored.restored)
+        self._start_http()
+        self._start_tensorboard()
+        self.progress.state.status = "running"
+        return self.scheduler.start()
+
+    async def _restore(self, ready):
+        """A fresh run writes its meta record; a resumed one reconciles log, journal and trainer."""
+        from orchestrator.loop import consumption_record, crashed_record
+        from orchestrator.resume import ResumeState, load_resume_state
+        from replay.log import read_records
+        from replay.records import RunMetaRecord
+
+        meta = RunMetaRecord(run_id=self.run_id, created_at=time.time(), identity=self.identity,
+                             config={**msgspec.to_builtins(self.config), "resumed": self.resume,
+                                     "model_dir": str(Path(self.config.engine.model).resolve())})
+        if not self.resume:
+            self.recorder.submit(meta)
+            return ResumeState()
+        records = await anyio.to_thread.run_sync(lambda: list(read_records(self.run_dir)))
+        self.recorder.preload(records)
+        self.recorder.submit(meta)
+        state = load_resume_state(self.run_dir, records)
+        missing = self._missed_consumptions(state, ready.step)
+        for message in missing:
+            record = consumption_record(message)
+            self.recorder.submit(record)
+            records.append(record)
+        if missing:
+            state = load_resume_state(self.run_dir, records)
+        for entry in state.lost:
+            prompt = await self.task.prompt(entry.group_id)
+            self.recorder.submit(crashed_record(entry, prompt, identity=self.identity, sampling=self.sampling))
+        self.loop.restore_completed(state.records)
+        log.info("run.resumed", step=ready.step, version=ready.version, lost=len(state.lost),
+                 restored_groups=len(state.restored), recovered_consumptions=len(missing))
+        return state
+
+    def _missed_consumptions(self, state, trainer_step: int) -> list:
+        """Steps the trainer finished after the orchestrator died: their consumption is in the
+        trainer's checkpoint (it is written before the version is published)."""
+        from orchestrator.trainer.checkpoint import consumption_of
+
+        out = []
+        for step in range(max(state.consumed_steps, default=0) + 1, trainer_step + 1):
+            message = consumption_of(self.run_dir, step)
+            if message is not None:
+                out.append(message)
+        return out
+
+    def record_activation(self, record) -> None:
+        from replay.records import ActivationRecord, EngineActivation
+
+        self.recorder.submit(ActivationRecord(
+            version=record.version, outcome=record.outcome,
+            engines=[EngineActivation(eo.engine, eo.transfer_s, eo.pause_s, eo.outcome) for eo in record.engines],
+            activated_at=time.time(), message=record.message[:1000], strategy=record.strategy,
+            kv_policy=record.kv_policy, kv_carried=record.kv_carried))
+        if self._tb is not None:
+            for eo in record.engines:
+                self._tb.add_scalar(f"activation/pause_s/{eo.engine}", eo.pause_s, record.version)
+                self._tb.add_scalar(f"activation/transfer_s/{eo.engine}", eo.transfer_s, record.version)
+
+    # -- side services ---------------------------------------------------------------------------
+    def _start_http(self) -> None:
+        from orchestrator.http import HttpServer, build_app
+
+        if not self.config.http.enabled:
+            return
+        app = build_app(self.recorder.stats, self.metrics.render, self._health)
+        self.http = HttpServer(app, self.config.http.host, self.config.http.port, self.run_dir)
+        try:
+            self.http_socket = self.http.bind()
+        except OSError as exc:
+            raise ConfigError("http.port", f"cannot listen on {self.config.http.host}:{self.config.http.port}: "
+                                           f"{exc}") from None
+
+    def _health(self) -> dict:
+        return {"ok": True, "run_id": self.run_id, "step": self.scheduler.done_steps,
+                "live_version": self.fleet.live_version, "serving": list(self.fleet.coordinator.serving),
+                "in_flight": self.scheduler.inflight}
+
+    def _start_tensorboard(self) -> None:
+        if self.config.run.tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+        if self.config.run.wandb_project:
+            try:
+                import wandb
+            except ImportError:
+                raise ConfigError("run.wandb_project", "Weights & Biases is not installed: "
+                                                       "pip install wandb (or leave wandb_project unset)") from None
+            self._wandb = wandb.init(project=self.config.run.wandb_project, mode=self.config.run.wandb_mode,
+                                     dir=str(self.run_dir), id=self.run_id, resume="allow",
+                                     config=msgspec.to_builtins(self.config))
+
+    def tensorboard_step(self, m, staleness: list[int]) -> None:
+        scalars = {"reward/mean": m.reward_mean, "loss": m.loss, "staleness/mean": sum(staleness) / len(staleness),
+                   "staleness/max": max(staleness), "time/step_s": m.seconds,
+                   **{f"trainer/{k}": v for k, v in m.metrics.items()}}
+        if self._tb is not None:
+            for name, value in scalars.items():
+                if value is not None:
+                    self._tb.add_scalar(name, value, m.step)
+        wandb_run = getattr(self, "_wandb", None)
+        if wandb_run is not None:
+            wandb_run.log({k: v for k, v in scalars.items() if v is not None}, step=m.step)
+
+    # -- teardown --------------------------------------------------------------------------------
+    async def _teardown(self) -> None:
+        """Shielded and bounded: trainer, engines, the log (flushed), side services."""
+        with anyio.CancelScope(shield=True):
+            if getattr(self, "trainer", None) is not None:
+                await self.trainer.stop()
+            async with anyio.create_task_group() as tg:
+                for engine in getattr(self, "engines", []):
+                    tg.start_soon(_shutdown_engine, engine)
+            recorder = getattr(self, "recorder", None)
+            self.recorder_stats = {}
+            if recorder is not None:
+                try:
+                    await recorder.flush()
+                    self.recorder_stats = recorder.stats()
+                finally:
+                    await anyio.to_thread.run_sync(recorder.close)
+            if getattr(self, "journal", None) is not None:
+                self.journal.close()
+            if self._tb is not None:
+                self._tb.close()
+            if getattr(self, "_wandb", None) is not None:
+                self._wandb.finish()
+
+
+async def _shutdown_engine(engine) -> None:
+    try:
+        with anyio.move_on_after(60):
+            await engine.shutdown()
+    except Exception as exc:  # noqa: BLE001 - a dead engine has nothing left to stop
+        log.warning("engine.shutdown_failed", engine=engine.engine_id, error=str(exc))
