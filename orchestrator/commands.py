@@ -41,6 +41,7 @@ def register(sub, bench_sub) -> None:
                      help="continue the run in --run-dir after a crash or a stop (its config.json is used)")
     run.set_defaults(func=cmd_run)
     __import__("orchestrator.bench_activation", fromlist=["register"]).register(bench_sub)
+    __import__("orchestrator.bench_orchestrator", fromlist=["register"]).register(bench_sub)
 
 
 def cmd_model_init(args: argparse.Namespace) -> int:

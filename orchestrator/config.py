@@ -228,6 +228,9 @@ class RunSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     fsync_every_ms: float = 200.0
     # SIGINT/SIGTERM: in-flight rollouts get a terminal record within this time.
     shutdown_grace_s: float = 30.0
+    # After the run ends (log flushed, trainer and engines stopped), keep answering /stats and
+    # /metrics this long (0: exit at once); SIGINT/SIGTERM ends the wait.
+    linger_s: float = 0.0
     # auto: a live rich display on a terminal, plain lines otherwise; plain; none.
     progress: Literal["auto", "rich", "plain", "none"] = "auto"
     # TensorBoard event files in RUN_DIR/tensorboard.
@@ -244,6 +247,8 @@ class RunSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         for name in ("fsync_every_ms", "shutdown_grace_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"run.{name}", f"must be > 0, got {getattr(self, name)}")
+        if self.linger_s < 0:
+            raise ConfigError("run.linger_s", f"must be >= 0, got {self.linger_s}")
         return self
 
 

@@ -76,13 +76,9 @@ class RunLoop:
             tg.start_soon(self._activator)
             tg.start_soon(self._loop_lag)
             tg.start_soon(self._dispatcher)
-            if self.run.http is not None:
-                tg.start_soon(self.run.http.serve, self.run.http_socket)
             self.perform(restored_actions)
             await self.stop_requested.wait()
             await self._shutdown()
-            if self.run.http is not None:
-                self.run.http.stop()
             tg.cancel_scope.cancel()
 
     def request_stop(self, reason: str, failure: str | None = None) -> None:
@@ -266,6 +262,7 @@ class RunLoop:
             return
         _, rollout_ids, started = self.batch
         self.batch = None
+        log.info("trainer.step_done", step=m.step, version=m.version, reward=m.reward_mean, loss=m.loss)
         staleness, in_flight = [], []
         for rid in rollout_ids:
             c = self.completions[rid]

@@ -14,6 +14,7 @@ RUN_DIR holds:
 
 from __future__ import annotations
 
+import signal
 import time
 import uuid
 from pathlib import Path
@@ -87,17 +88,38 @@ class Run:
             (self.run_dir / CONFIG_FILE).write_bytes(msgspec.json.format(msgspec.json.encode(self.config)))
         self.run_id = self._run_id()
         self.loop = RunLoop(self)
+        self.state = "starting"
         with self.progress:
-            try:
-                restored_actions = await self._setup()
-                await self.loop.main(restored_actions)
-            finally:
-                await self._teardown()
+            async with anyio.create_task_group() as services:
+                try:
+                    restored_actions = await self._setup()
+                    if self.http is not None:
+                        services.start_soon(self.http.serve, self.http_socket)
+                    self.state = "running"
+                    await self.loop.main(restored_actions)
+                finally:
+                    self.state = "stopping"
+                    await self._teardown()
+                self.state = "finished"
+                if self.http is not None:
+                    await self._linger()
+                    self.http.stop()
         stats = self.recorder_stats
         print(summary(self.progress.state, stats, str(self.run_dir), self.http and self.http.url))
         if self.loop.failure:
             raise RunFailed(self.loop.failure)
         return 0
+
+    async def _linger(self) -> None:
+        """Keep answering /stats and /metrics over the finished, flushed log for run.linger_s."""
+        linger = self.config.run.linger_s
+        if linger <= 0:
+            return
+        log.info("run.lingering", seconds=linger, url=self.http.url)
+        with anyio.move_on_after(linger):
+            with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                async for _ in signals:
+                    return
 
     def _run_id(self) -> str:
         path = self.run_dir / "run_id"
@@ -238,9 +260,11 @@ class Run:
                                            f"{exc}") from None
 
     def _health(self) -> dict:
-        return {"ok": True, "run_id": self.run_id, "step": self.scheduler.done_steps,
+        scheduler = getattr(self, "scheduler", None)
+        return {"ok": True, "run_id": self.run_id, "state": self.state,
+                "step": scheduler.done_steps if scheduler else None,
                 "live_version": self.fleet.live_version, "serving": list(self.fleet.coordinator.serving),
-                "in_flight": self.scheduler.inflight}
+                "in_flight": scheduler.inflight if scheduler else None}
 
     def _start_tensorboard(self) -> None:
         if self.config.run.tensorboard:

@@ -20,4 +20,4 @@ def make_task(config: TaskConfig, model_dir: str) -> Task:
     return TASKS[config.name](tokenizer, config)
 
 
-__all__ = ["DigitsTask", "LengthTask", "Prompt", "TASKS", "Task", "make_task"]
+__all__ = ["TASKS", "DigitsTask", "LengthTask", "Prompt", "Task", "make_task"]

@@ -14,8 +14,6 @@ Token ids and float arrays travel as little-endian bytes (`pack_i32`, `pack_f32`
 
 from __future__ import annotations
 
-from typing import Union
-
 import msgspec
 import numpy as np
 import zmq
@@ -71,7 +69,7 @@ class Failed(msgspec.Struct, tag="failed", tag_field="type"):
     error: str
 
 
-Message = Union[Batch, Stop, Ready, StepDone, Failed]
+Message = Batch | Stop | Ready | StepDone | Failed
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

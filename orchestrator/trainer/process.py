@@ -275,8 +275,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if client is not None:
             try:
                 client.send(Failed(step=step, error=f"{type(exc).__name__}: {exc}"), timeout_s=5.0)
-            except Exception:
-                pass  # the orchestrator is gone; the exit code still tells
+            except Exception as lost:  # noqa: BLE001 - the orchestrator is gone; the exit code still tells
+                log.warning("trainer.failed_unreported", error=str(lost))
         return 1
     finally:
         if trainer is not None:

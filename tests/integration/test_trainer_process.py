@@ -71,7 +71,7 @@ class _Trainer:
         address = self.link.bind()
         args = [sys.executable, "-m", "orchestrator.trainer.process", "--connect", address, "--run-dir", str(run_dir),
                 "--model", str(model_dir), "--config-json", msgspec.json.encode(config).decode()]
-        self.stderr = open(log, "ab")
+        self.stderr = open(log, "ab")  # noqa: SIM115 - closed by close()
         self.proc = subprocess.Popen(args + (["--resume"] if resume else []), cwd=REPO, stderr=self.stderr,
                                      env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
 
@@ -199,8 +199,12 @@ async def test_publish_every_two_skips_odd_steps_and_a_fresh_start_refuses_a_use
         done = await trainer.step(2, _samples(rl_model_dir, 2))
         assert isinstance(done, StepDone) and done.version == 2
         _assert_same(_published(run_dir, 2), run_dir, 2)
-        await trainer.link.send(Stop())
-        assert trainer.proc.wait(60) == 0
+        # A step that raises (here: one logprob too many) answers Failed naming it, and exits 1.
+        bad = _samples(rl_model_dir, 3)
+        bad[0] = msgspec.structs.replace(bad[0], logprobs=bad[0].logprobs + pack_f32([-1.0]))
+        failed = await trainer.step(3, bad)
+        assert isinstance(failed, Failed) and failed.step == 3 and "logprobs" in failed.error
+        assert trainer.proc.wait(60) == 1
     finally:
         trainer.close()
 
@@ -245,7 +249,12 @@ def test_every_message_round_trips_through_the_one_decoder():
 async def test_link_and_client_talk_and_every_wait_is_bounded():
     import anyio
 
-    from orchestrator.trainer.link import TrainerClient, TrainerLinkError, TrainerLinkTimeout, decode
+    from orchestrator.trainer.link import (
+        TrainerClient,
+        TrainerLinkError,
+        TrainerLinkTimeout,
+        decode,
+    )
 
     link = TrainerLink()
     address = link.bind()
@@ -270,4 +279,50 @@ async def test_link_and_client_talk_and_every_wait_is_bounded():
         with pytest.raises(TrainerLinkError, match="undecodable"):
             decode(b"\x93garbage")
     finally:
+        link.close()
+
+
+def _start(args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(args, cwd=REPO)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return True
+    return "State:\tZ" in status  # exited, waiting for a reaper that may never come in a container
+
+
+@pytest.mark.timeout(180)
+async def test_the_trainer_exits_when_its_parent_is_gone(tmp_path, rl_model_dir):
+    """The orchestrator crashed without a Stop: the trainer notices its new parent and exits."""
+    import time
+
+    import anyio
+
+    link = TrainerLink()
+    address = link.bind()
+    args = [sys.executable, "-m", "orchestrator.trainer.process", "--connect", address, "--run-dir",
+            str(tmp_path / "run"), "--model", str(rl_model_dir), "--config-json",
+            msgspec.json.encode(_config()).decode()]
+    # A stand-in orchestrator: starts the trainer, then waits to be killed.
+    parent = _start([sys.executable, "-c", ("import subprocess, sys, time; "
+                                            "subprocess.Popen(sys.argv[1:], stderr=subprocess.DEVNULL); time.sleep(600)"),
+                     *args])
+    ready = None
+    try:
+        ready = await link.recv(120)
+        assert isinstance(ready, Ready)
+        parent.kill()
+        parent.wait(30)
+        deadline = time.monotonic() + 30
+        while not _gone(ready.pid) and time.monotonic() < deadline:
+            await anyio.sleep(0.2)
+        assert _gone(ready.pid)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+        if ready is not None and not _gone(ready.pid):
+            os.kill(ready.pid, signal.SIGKILL)
         link.close()

@@ -1,0 +1,259 @@
+"""`inflight bench orchestrator [--json]`: what the orchestrator costs per rollout, and what async buys.
+
+1. Overhead. The real `RunLoop` (scheduler, dispatch journal, `Fleet` streaming and version
+   tagging, replay writer thread, live stats, metrics) drives a zero-latency fake engine that
+   streams 500 tokens in chunks of 16 per rollout, with an instant fake trainer; against it, in
+   the same run, a bare anyio task group drives the same fake engine with the same number of
+   rollouts in flight and nothing else. `overhead_ratio_cN` = orchestrator rollouts/s over bare
+   rollouts/s at N in flight (goal >= 0.5); `scale_ratio_8192_vs_64` = orchestrator rollouts/s
+   at 8192 over at 64 (goal >= 0.7).
+2. Async speed-up (`--digits-steps N`, real engine and trainer): the embedded default config
+   run in async mode and in sync mode for the same number of steps; `async_speedup` = trainer
+   steps per minute async over sync.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import anyio
+
+TOKENS = 500
+CHUNK = 16
+
+
+def register(bench_sub) -> None:
+    p = bench_sub.add_parser("orchestrator", help="orchestrator rollouts/s vs a bare task group; async vs sync")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[64, 8192], help="rollouts in flight")
+    p.add_argument("--rollouts", type=int, default=16384, help="rollouts per measurement (at least 2 batches)")
+    p.add_argument("--digits-steps", type=int, default=12,
+                   help="trainer steps per mode for async_speedup on the digits task (0: skip; real engine)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=bench_command)
+
+
+# ---------------------------------------------------------------------------------------------
+# The fake engine and the fake trainer.
+
+
+def fake_engine(engine_id: str):
+    from orchestrator.engines.base import Engine, TokenChunk, VersionSpan
+
+    class ZeroLatencyEngine(Engine):
+        """Streams TOKENS tokens in chunks of CHUNK, yielding to the loop between chunks."""
+
+        def __init__(self) -> None:
+            self.engine_id = engine_id
+            self.version = 0
+            self._chunk_ids = list(range(CHUNK))
+            self._chunk_lps = [-1.0] * CHUNK
+
+        async def start(self): ...
+
+        async def generate(self, request_id, prompt_token_ids, sampling, cache_salt=None, final_only=False):
+            for start in range(0, TOKENS, CHUNK):
+                await anyio.lowlevel.checkpoint()
+                n = min(CHUNK, TOKENS - start)
+                last = start + n >= TOKENS
+                yield TokenChunk(self._chunk_ids[:n], self._chunk_lps[:n], finished=last,
+                                 finish_reason="length" if last else None,
+                                 version_spans=[VersionSpan(self.version, 0, TOKENS)] if last else None)
+
+        async def abort(self, request_id): ...
+        async def pause(self, mode="keep", clear_cache=True): ...
+        async def resume(self): ...
+        async def is_paused(self): return False
+        async def healthy(self): return True
+        async def set_weight_version(self, version): self.version = version
+        async def reset_prefix_cache(self): ...
+        async def collective_rpc(self, method, args=(), kwargs=None, timeout=None): return [{}]
+        async def shutdown(self): ...
+
+    return ZeroLatencyEngine()
+
+
+class InstantTrainer:
+    """Answers every batch at once with a StepDone (advantages etc. left empty: not measured)."""
+
+    def __init__(self) -> None:
+        self.send_stream, self.recv_stream = anyio.create_memory_object_stream(100)
+        self.alive = True
+        self.process = None
+
+    @property
+    def link(self):
+        return self
+
+    async def send(self, batch, timeout_s: float = 30.0) -> None:
+        from orchestrator.trainer.link import StepDone
+
+        await self.send_stream.send(StepDone(step=batch.step, version=batch.step, loss=0.0, reward_mean=1.0,
+                                             metrics={}, seconds=0.0,
+                                             rollout_ids=[s.rollout_id for s in batch.samples],
+                                             advantages=b"", log_ratio_mean=b"", log_ratio_max_abs=b""))
+
+    async def recv(self, timeout_s: float):
+        with anyio.fail_after(timeout_s):
+            return await self.recv_stream.receive()
+
+
+class FixedTask:
+    def __init__(self) -> None:
+        from orchestrator.tasks.base import Prompt
+
+        self._prompt = Prompt(prompt_id="bench", index=0, text="bench", token_ids=tuple(range(1, 17)))
+
+    async def prompt(self, index: int):
+        return self._prompt
+
+    async def score(self, prompt, completion_token_ids):
+        return {"reward": 1.0}
+
+
+class BenchRun:
+    """What `RunLoop` needs of a `Run`, with the fakes above and the real recorder and journal."""
+
+    def __init__(self, run_dir: Path, concurrency: int, rollouts: int) -> None:
+        from orchestrator import scheduler as sch
+        from orchestrator.config import RunConfig, RunSection, SchedulerConfig
+        from orchestrator.fleet import Fleet
+        from orchestrator.metrics import RunMetrics
+        from orchestrator.progress import Progress, ProgressState
+        from orchestrator.recording import Recorder
+        from orchestrator.resume import DispatchJournal
+        from replay.records import PolicyIdentity, SamplingSettings
+
+        group = 8
+        batch_groups = max(1, concurrency // group)
+        batch = group * batch_groups
+        self.max_steps = max(2, rollouts // batch)
+        scheduler = SchedulerConfig(group_size=group, batch_groups=batch_groups, max_off_policy_steps=1,
+                                    max_inflight=concurrency)
+        self.config = RunConfig(scheduler=scheduler, run=RunSection(shutdown_grace_s=30.0))
+        self.run_dir = run_dir
+        self.metrics = RunMetrics()
+        self.recorder = Recorder(run_dir, on_record=self.metrics.on_record)
+        self.journal = DispatchJournal(run_dir)
+        self.fleet = Fleet([fake_engine("fake-0")])
+        self.scheduler = sch.Scheduler(scheduler, ["fake-0"], max_steps=self.max_steps)
+        self.trainer = InstantTrainer()
+        self.task = FixedTask()
+        self.progress = Progress(ProgressState(self.max_steps), "none")
+        self.identity = PolicyIdentity("bench", "", "", "float32", logprobs_mode="raw_logprobs")
+        self.sampling = SamplingSettings(max_tokens=TOKENS)
+        self.http = None
+
+    def record_activation(self, record) -> None: ...
+
+    def tensorboard_step(self, m, staleness) -> None: ...
+
+
+async def orchestrator_rate(concurrency: int, rollouts: int) -> dict:
+    from orchestrator.loop import RunLoop
+
+    with tempfile.TemporaryDirectory(prefix="inflight-bench-") as tmp:
+        run = BenchRun(Path(tmp), concurrency, rollouts)
+        loop = RunLoop(run)
+        run.loop = loop
+        started = time.perf_counter()
+        with anyio.fail_after(600):
+            await loop.main(run.scheduler.start())
+        elapsed = time.perf_counter() - started
+        consumed = run.scheduler.done_steps * run.scheduler.batch_size
+        await run.recorder.flush()
+        run.recorder.close()
+        run.journal.close()
+        return {"rollouts": consumed, "seconds": elapsed, "rollouts_per_s": consumed / elapsed,
+                "records": run.recorder.written}
+
+
+async def bare_rate(concurrency: int, rollouts: int) -> dict:
+    """The simplest alternative: N tasks, each draining the fake engine's stream in a loop."""
+    from orchestrator.engines.base import SamplingSettings
+
+    engine = fake_engine("bare")
+    sampling = SamplingSettings(max_tokens=TOKENS)
+    remaining = [rollouts]
+
+    async def worker() -> None:
+        while remaining[0] > 0:
+            remaining[0] -= 1
+            tokens: list[int] = []
+            async for chunk in engine.generate("r", [1], sampling):
+                tokens.extend(chunk.token_ids)
+
+    started = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for _ in range(concurrency):
+            tg.start_soon(worker)
+    elapsed = time.perf_counter() - started
+    return {"rollouts": rollouts, "seconds": elapsed, "rollouts_per_s": rollouts / elapsed}
+
+
+def digits_speedup(steps: int) -> dict:
+    """The embedded default, async then sync, `steps` trainer steps each (real engine)."""
+    import subprocess
+
+    out: dict = {}
+    for mode in ("async", "sync"):
+        with tempfile.TemporaryDirectory(prefix=f"inflight-bench-{mode}-") as tmp:
+            config = Path(tmp) / "config.toml"
+            config.write_text(f'[scheduler]\nmode = "{mode}"\n[run]\nprogress = "none"\ntensorboard = false\n'
+                              f'[http]\nenabled = false\n')
+            started = time.perf_counter()
+            proc = subprocess.run([sys.executable, "-m", "orchestrator.cli", "run", str(config), "--run-dir",
+                                   str(Path(tmp) / "run"), "--max-steps", str(steps)],
+                                  capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{mode} run failed: {proc.stderr[-2000:]}")
+            lines = [json.loads(x) for x in (Path(tmp) / "run" / "orchestrator.jsonl").read_text().splitlines()
+                     if x.startswith("{")]
+            first = next(x for x in lines if x.get("event") == "trainer.step_done")
+            last = next(x for x in reversed(lines) if x.get("event") == "trainer.step_done")
+            out[mode] = {"wall_s": time.perf_counter() - started,
+                         "steps_per_min": 60 * (steps - 1) / (_t(last) - _t(first))}
+    out["async_speedup"] = out["async"]["steps_per_min"] / out["sync"]["steps_per_min"]
+    return out
+
+
+def _t(line: dict) -> float:
+    from datetime import datetime
+
+    return datetime.fromisoformat(line["timestamp"].replace("Z", "+00:00")).timestamp()
+
+
+async def run_bench(args: argparse.Namespace) -> dict:
+    result: dict = {"tokens_per_rollout": TOKENS, "chunk_tokens": CHUNK}
+    rates = {}
+    for c in args.concurrency:
+        n = max(args.rollouts, 2 * c)
+        bare = await bare_rate(c, n)
+        orch = await orchestrator_rate(c, n)
+        rates[c] = orch["rollouts_per_s"]
+        result[f"bare_c{c}"] = bare
+        result[f"orchestrator_c{c}"] = orch
+        result[f"overhead_ratio_c{c}"] = orch["rollouts_per_s"] / bare["rollouts_per_s"]
+    if 64 in rates and 8192 in rates:
+        result["scale_ratio_8192_vs_64"] = rates[8192] / rates[64]
+    return result
+
+
+def bench_command(args: argparse.Namespace) -> int:
+    from orchestrator.logging import configure_logging
+
+    configure_logging("json", "warning")
+    result = anyio.run(run_bench, args)
+    if args.digits_steps:
+        result.update(digits_speedup(args.digits_steps))
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        for key, value in result.items():
+            if not isinstance(value, dict):
+                print(f"{key:28s} {value:.3f}" if isinstance(value, float) else f"{key:28s} {value}")
+    return 0
