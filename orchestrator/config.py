@@ -9,7 +9,7 @@ from typing import Literal
 
 import msgspec
 
-from orchestrator.engines.base import SamplingSettings
+from orchestrator.engines.base import SamplingSettings, check_sampling
 from orchestrator.errors import ConfigError
 
 
@@ -291,7 +291,7 @@ class RunConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if isinstance(self.engines, list) and not self.engines:
             raise ConfigError("engines", "needs at least one [[engines]] table")
         self.engine.validate()
-        self.sampling.validate()
+        check_sampling(self.sampling)
         for section in (self.activation, self.scheduler, self.trainer, self.task, self.transport,
                         self.run, self.http):
             section.validate()
@@ -321,7 +321,15 @@ class RunConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 def load_config(path: str | Path) -> RunConfig:
     """Read and validate a TOML config; errors name the field, e.g. `activation.kv_policy`."""
-    return convert(_load_toml(Path(path)), RunConfig, "").validate()
+    data = _load_toml(Path(path))
+    # The sampling type is the replay record's, which tolerates unknown fields (old readers of
+    # new logs); a config file must not: a misspelt key would be ignored silently.
+    sampling = data.get("sampling")
+    if isinstance(sampling, dict):
+        unknown = sorted(set(sampling) - set(SamplingSettings.__struct_fields__))
+        if unknown:
+            raise ConfigError(f"sampling.{unknown[0]}", f"unknown key {unknown[0]!r}")
+    return convert(data, RunConfig, "").validate()
 
 
 def default_config() -> RunConfig:

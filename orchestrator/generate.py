@@ -10,7 +10,7 @@ import anyio
 
 from orchestrator.config import EngineConfig
 from orchestrator.engines import make_engine
-from orchestrator.engines.base import Completion, SamplingSettings
+from orchestrator.engines.base import Completion, SamplingSettings, check_sampling
 from orchestrator.errors import ConfigError
 from orchestrator.model import check_model_dir
 
@@ -29,8 +29,8 @@ def encode_prompt(model_dir: str, text: str, raw: bool) -> list[int]:
 async def run_generate(args: argparse.Namespace) -> int:
     if args.n < 1:
         raise ConfigError("-n", f"must be >= 1, got {args.n}")
-    sampling = SamplingSettings(max_tokens=args.max_tokens, temperature=args.temperature,
-                                seed=args.seed).validate()
+    sampling = check_sampling(SamplingSettings(max_tokens=args.max_tokens, temperature=args.temperature,
+                                               seed=args.seed))
     check_model_dir(args.model)
     prompt_ids = encode_prompt(args.model, args.prompt, args.raw)
     engine = make_engine(EngineConfig(model=args.model, kind=args.engine))

@@ -81,8 +81,9 @@ class Reference:
         elif kind == "collective":
             import torch.distributed as dist
 
-            self.store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False,
-                                       timeout=datetime.timedelta(seconds=120))
+            from transports.collective import host_store
+
+            self.store = host_store("127.0.0.1", 0, 2, 120.0)  # loopback only, like the transport
             self.flat = torch.cat([t.view(-1).view(torch.uint8) for t in state.values()])
             thread = threading.Thread(target=lambda: engine.bench_reference(
                 "ref_broadcast_join", port=self.store.port, total=self.total))

@@ -25,6 +25,8 @@ import json
 import sys
 from pathlib import Path
 
+from transports.errors import TransportError  # light: the standard library only
+
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp8": 1,
                "float8": 1}
 DEFAULT_RESULTS = Path(".inflight/bench-transports.json")
@@ -34,6 +36,12 @@ class UsageError(Exception):
     def __init__(self, flag: str, message: str):
         self.flag = flag
         super().__init__(f"{flag}: {message}")
+
+
+def error_line(exc: BaseException) -> str:
+    """One line naming a transport error: its class and its message's first line."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
 def register(sub, bench_sub) -> None:
@@ -176,7 +184,12 @@ def bench_command(args: argparse.Namespace) -> int:
         return 2
     from transports.bench import run_bench
 
-    results = run_bench(size=size, tensors=tensors, bucket_bytes=bucket, transports=names, directory=args.dir)
+    try:
+        results = run_bench(size=size, tensors=tensors, bucket_bytes=bucket, transports=names, directory=args.dir)
+    except TransportError as exc:
+        # The error tree's promise: exit 2 with one line naming the error, never a traceback.
+        print(f"inflight: error: {error_line(exc)}", file=sys.stderr)
+        return 2
     if args.save:
         path = Path(args.save)
         path.parent.mkdir(parents=True, exist_ok=True)

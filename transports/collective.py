@@ -15,11 +15,22 @@ broadcast of bucket k without waiting for it: `send(k)` returns once bucket k-1'
 completed (`plan.pack(..., hold=1)` keeps bucket k's arena untouched meanwhile), so gloo moves
 bucket k while bucket k+1 is packed. Only this transport forwards `kv_scales` (in the header of
 bucket 0).
+
+Exposure: torch's `TCPStore` server listens on every interface whatever `host_name` says (checked
+on torch 2.13: `ss -ltn` shows `*:PORT`, the libuv backend binds `::`), and it has no
+authentication. So the trainer binds the listening socket itself, to the configured host
+(`TrainCluster.host`, 127.0.0.1 by default), and hands it to the store (`master_listen_fd`): the
+rendezvous is reachable only on that interface. The gloo group's own sockets are bound to the
+same host where it is a loopback address (engines on the same machine); for remote engines
+configure the host to the one interface that must reach them.
 """
 
 from __future__ import annotations
 
 import datetime
+import ipaddress
+import os
+import socket
 from typing import Any
 
 import structlog
@@ -38,17 +49,62 @@ def _is_timeout(exc: BaseException) -> bool:
     return "timed out" in text or "timeout" in text or isinstance(exc, TimeoutError)
 
 
-class _Group:
-    """One gloo group joined through a TCPStore, with a timeout on every operation."""
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
-    def __init__(self, store: dist.Store, rank: int, world_size: int, timeout_s: float):
+
+def host_store(host: str, port: int, world_size: int, timeout_s: float) -> dist.TCPStore:
+    """A master `TCPStore` listening on `host` only (torch's own binds every interface): the
+    socket is bound here and handed to the store (`master_listen_fd`, which then owns it)."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, _, _, _, address = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    fd = -1
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(1024)
+        bound_port = sock.getsockname()[1]
+        fd = os.dup(sock.fileno())
+        store = dist.TCPStore(host, bound_port, world_size, is_master=True,
+                              timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False,
+                              master_listen_fd=fd)
+        fd = -1  # the store owns it now
+        return store
+    except OSError as exc:
+        raise TransportError(f"hosting the weight group's store on {host}:{port}: {exc}") from exc
+    finally:
+        sock.close()
+        if fd >= 0:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+class _Group:
+    """One gloo group joined through a TCPStore, with a timeout on every operation. With
+    `bind_host`, gloo's own sockets listen on that address only."""
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int, timeout_s: float, bind_host: str | None = None):
         self.rank = rank
         self.world_size = world_size
         self.timeout_s = timeout_s
         self.timeout = datetime.timedelta(seconds=timeout_s)
         prefixed = dist.PrefixStore("inflight-weights", store)
         try:
-            self.pg = dist.ProcessGroupGloo(prefixed, rank, world_size, self.timeout)
+            if bind_host:
+                options = dist.ProcessGroupGloo._Options()
+                options._timeout = self.timeout
+                options._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host)]
+                self.pg = dist.ProcessGroupGloo(prefixed, rank, world_size, options)
+            else:
+                self.pg = dist.ProcessGroupGloo(prefixed, rank, world_size, self.timeout)
         except Exception as exc:
             if _is_timeout(exc):
                 raise TransportTimeoutError(f"forming the weight group (rank {rank} of {world_size})",
@@ -105,9 +161,8 @@ class CollectiveSender:
         self.workers_per_engine = workers_per_engine
         self.timeout_s = timeout_s
         self.host = host
-        # The store is hosted here and listening before any engine is told where it is.
-        self.store = dist.TCPStore(host, port, self.world_size, is_master=True,
-                                   timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+        # The store is hosted here and listening (on `host` only) before any engine is told where it is.
+        self.store = host_store(host, port, self.world_size, timeout_s)
         self.port = self.store.port
         self.group: _Group | None = None
         size = (arena_bytes or 0) + HEADER_RESERVE
@@ -124,7 +179,8 @@ class CollectiveSender:
                 "rank_offset": 1 + engine_index * self.workers_per_engine, "timeout_s": self.timeout_s}
 
     def connect(self) -> None:
-        self.group = _Group(self.store, 0, self.world_size, self.timeout_s)
+        unspecified = self.host in ("", "0.0.0.0", "::")  # every interface, asked for explicitly
+        self.group = _Group(self.store, 0, self.world_size, self.timeout_s, bind_host=None if unspecified else self.host)
         log.info("collective.joined", world_size=self.world_size, port=self.port)
 
     def begin(self, version: int, bucket_count: int) -> None:
@@ -200,7 +256,8 @@ class CollectiveReceiver:
             if _is_timeout(exc):
                 raise TransportTimeoutError(f"reaching the trainer's store at {host}:{port}", timeout_s) from exc
             raise TransportError(f"reaching the trainer's store at {host}:{port}: {exc}") from exc
-        self.group = _Group(store, rank, world_size, timeout_s)
+        # Same machine as the trainer (a loopback store): gloo listens on loopback too.
+        self.group = _Group(store, rank, world_size, timeout_s, bind_host=host if is_loopback(host) else None)
         self._arenas = [torch.empty(max(arena_bytes, 0) + HEADER_RESERVE, dtype=torch.uint8) for _ in range(2)]
 
     def receive(self, version: int, staging: StagingArea) -> None:

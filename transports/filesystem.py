@@ -18,6 +18,9 @@ k+1 and a background thread fsyncs bucket k-1. The engine only *stages* what it 
 version goes live after the trainer's `commit()` (every fsync, manifest, rename, `COMPLETE`)
 returned. A bucket left over from an abandoned attempt is never read: `begin()` removes the
 version's directories before any engine starts waiting, and each file names its attempt.
+`FilesystemReceiver.receive(..., committed=True)` (what `transports.swap` stages with) also waits,
+bounded, for `COMPLETE` and checks that the committed files are the ones it read;
+`committed_attempt(v)` says which attempt a committed version holds.
 
 The last `keep_last` versions are retained (replay analysis reads them); older ones are removed.
 Always available; the default transport when a LoRA adapter is trained.

@@ -15,6 +15,13 @@ Messages (ZMQ ROUTER on the trainer, one DEALER per engine), all multipart:
     engine  -> trainer   [b"hello"]                       once, after connecting
     trainer -> engine    [b"bucket", slot, header, length, cuda_handle]   bucket in arena `slot`
     engine  -> trainer   [b"ack", index, attempt] | [b"error", index, message, attempt]
+
+The CUDA handle is a pickle (`reduce_tensor`'s `(rebuild_cuda_tensor, args)`). The engine never
+unpickles it with the standard unpickler: `load_cuda_handle` resolves only the one rebuild
+function and the plain types its arguments hold (`torch.Tensor`, `torch.Size`, the storage
+classes, dtypes), checks the shape of what it got, and refuses anything else with
+`UnsafeHandleError` before calling anything: a peer on the ZMQ socket cannot make the engine
+run code of its choosing.
 """
 
 from __future__ import annotations
@@ -36,6 +43,70 @@ from transports.staging import StagingArea
 from transports.wire import BucketHeader, decode_header, encode_header
 
 log = structlog.get_logger("transports.ipc")
+
+
+class UnsafeHandleError(TransportError):
+    """A CUDA IPC handle that is not exactly `(rebuild_cuda_tensor, args)` of plain values."""
+
+
+_REBUILD = ("torch.multiprocessing.reductions", "rebuild_cuda_tensor")
+_TYPES = {("torch", "Tensor"), ("torch", "Size"), ("torch", "device"), ("torch.storage", "TypedStorage"),
+          ("torch.storage", "UntypedStorage"), ("torch", "TypedStorage"), ("torch", "UntypedStorage")}
+_REBUILD_ARGS = 15  # rebuild_cuda_tensor's parameters
+
+
+def _allowed_global(module: str, name: str) -> Any:
+    """The object a handle may name, or None: the rebuild function, the plain types of its
+    arguments, a dtype, a legacy CUDA storage class."""
+    if (module, name) == _REBUILD:
+        from torch.multiprocessing import reductions
+
+        return reductions.rebuild_cuda_tensor
+    if (module, name) in _TYPES:
+        import importlib
+
+        return getattr(importlib.import_module(module), name)
+    if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+        return getattr(torch, name)
+    if module == "torch.cuda" and name.endswith("Storage"):
+        cls = getattr(torch.cuda, name, None)
+        if isinstance(cls, type) and issubclass(cls, torch.storage.TypedStorage):
+            return cls
+    return None
+
+
+class _HandleUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        found = _allowed_global(module, name)
+        if found is None:
+            raise UnsafeHandleError(f"CUDA IPC handle refused: it names {module}.{name}, "
+                                    f"only {'.'.join(_REBUILD)} and plain tensor types are allowed")
+        return found
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise UnsafeHandleError("CUDA IPC handle refused: persistent ids are not allowed")
+
+
+def load_cuda_handle(data: bytes) -> tuple[Any, tuple]:
+    """`(rebuild_cuda_tensor, args)` from a handle the trainer pickled; raises
+    `UnsafeHandleError` for anything else (before anything it names is called)."""
+    import io
+
+    try:
+        obj = _HandleUnpickler(io.BytesIO(data)).load()
+    except UnsafeHandleError:
+        raise
+    except Exception as exc:
+        raise UnsafeHandleError(f"CUDA IPC handle refused: undecodable ({type(exc).__name__}: {exc})") from exc
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    if (not isinstance(obj, tuple) or len(obj) != 2 or obj[0] is not rebuild_cuda_tensor
+            or not isinstance(obj[1], tuple) or len(obj[1]) != _REBUILD_ARGS):
+        raise UnsafeHandleError("CUDA IPC handle refused: not (rebuild_cuda_tensor, args)")
+    args = obj[1]
+    if not (isinstance(args[0], type) and issubclass(args[0], torch.Tensor)):
+        raise UnsafeHandleError(f"CUDA IPC handle refused: {args[0]!r} is not a tensor class")
+    return obj[0], args
 
 
 def _attach(name: str) -> mmap.mmap:
@@ -213,7 +284,7 @@ class IpcReceiver:
 
     def _payload(self, slot: int, length: int, handle: bytes) -> memoryview:
         if handle:
-            func, args = pickle.loads(handle)
+            func, args = load_cuda_handle(handle)
             device_arena = func(*args)
             return memoryview(device_arena[:length].cpu().numpy())
         return self._views[slot][:length]

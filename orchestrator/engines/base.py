@@ -13,65 +13,28 @@ URL). Every remote call carries a timeout; a dead engine raises `EngineDeadError
 from __future__ import annotations
 
 import abc
-import math
 from collections.abc import AsyncIterator, Sequence
 from typing import Literal
 
 import msgspec
 
 from orchestrator.errors import ConfigError
+from replay.errors import InvalidRecordError
+from replay.records import SamplingSettings
 
 PauseMode = Literal["abort", "wait", "keep"]
 PAUSE_MODES: tuple[str, ...] = ("abort", "wait", "keep")
 
 
-class SamplingSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Sampling settings of one request; `validate()` names the first bad field."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 disables top-k (vLLM 0.32 semantics)
-    max_tokens: int = 64
-    min_tokens: int = 0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-
-    def validate(self) -> SamplingSettings:
-        def bad(field: str, reason: str) -> ConfigError:
-            return ConfigError(f"sampling.{field}", reason)
-
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)):
-            raise bad("temperature", f"must be a finite number, got {self.temperature!r}")
-        if self.temperature < 0:
-            raise bad("temperature", f"must be >= 0, got {self.temperature}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise bad("top_k", f"must be >= 0 (0 or -1 disables it), got {self.top_k}")
-        if self.max_tokens < 1:
-            raise bad("max_tokens", f"must be >= 1, got {self.max_tokens}")
-        if not (0 <= self.min_tokens <= self.max_tokens):
-            raise bad("min_tokens", f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
-        if self.seed is not None and self.seed < 0:
-            raise bad("seed", f"must be >= 0, got {self.seed}")
-        if any(t < 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids", "token ids must be >= 0")
-        return self
-
-    def to_vllm(self) -> dict:
-        """Keyword arguments for `vllm.SamplingParams`; logprobs=0 asks for the sampled token's."""
-        return {
-            "temperature": float(self.temperature),
-            "top_p": float(self.top_p),
-            "top_k": int(self.top_k),
-            "max_tokens": int(self.max_tokens),
-            "min_tokens": int(self.min_tokens),
-            "seed": self.seed,
-            "stop_token_ids": list(self.stop_token_ids),
-            "ignore_eos": bool(self.ignore_eos),
-            "logprobs": 0,
-        }
+def check_sampling(sampling: SamplingSettings) -> SamplingSettings:
+    """Validate sampling settings as configuration: a bad value is a `ConfigError` naming
+    `sampling.<field>`. The type is the replay record's own (one concept, one type): what a
+    rollout record says was used is exactly what the engine was given."""
+    try:
+        return sampling.validate()
+    except InvalidRecordError as exc:
+        raise ConfigError(exc.field if exc.field.startswith("sampling.") else f"sampling.{exc.field}",
+                          exc.reason) from None
 
 
 class VersionSpan(msgspec.Struct, frozen=True, array_like=True):

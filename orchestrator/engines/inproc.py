@@ -14,6 +14,7 @@ from orchestrator.engines.base import (
     Engine,
     PauseMode,
     SamplingSettings,
+    check_sampling,
     TokenChunk,
     VersionSpan,
     parse_version,
@@ -112,7 +113,7 @@ class InProcessEngine(Engine):
         from vllm.v1.engine.exceptions import EngineDeadError as VllmDead
         from vllm.v1.engine.exceptions import EngineGenerateError as VllmGenerate
 
-        sampling.validate()
+        check_sampling(sampling)
         if not prompt_token_ids:
             raise ConfigError("prompt_token_ids", "must not be empty")
         # final_only: one output per request (no per-token Python work on the way); DELTA otherwise.

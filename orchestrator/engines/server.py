@@ -30,6 +30,7 @@ from orchestrator.engines.base import (
     Engine,
     PauseMode,
     SamplingSettings,
+    check_sampling,
     TokenChunk,
     VersionSpan,
     parse_version,
@@ -234,7 +235,7 @@ class ServerEngine(Engine):
                        sampling: SamplingSettings, cache_salt: str | None = None,
                        final_only: bool = False) -> AsyncIterator[TokenChunk]:
         # final_only is a hint: the server always streams (its SSE chunks carry the versions).
-        sampling.validate()
+        check_sampling(sampling)
         if not prompt_token_ids:
             raise ConfigError("prompt_token_ids", "must not be empty")
         body = {

@@ -112,10 +112,14 @@ class PackedBatch:
         self.flat_rollout = torch.repeat_interleave(torch.arange(len(prompts)), self.completion_lengths)
 
 
-def completion_logprobs(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
-    """The model's logprob of every completion token (flat, see PackedBatch), teacher forced."""
+def completion_logprobs(model: torch.nn.Module, batch: PackedBatch, temperature: float = 1.0) -> torch.Tensor:
+    """The model's logprob of every completion token (flat, see PackedBatch), teacher forced,
+    under the sampling temperature: the engine's processed logprobs are of logits / T, and the
+    ratio must compare the same distribution (at T = 1 raw and processed coincide)."""
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
     logits = logits[batch.completion].float()
+    if temperature != 1.0:
+        logits = logits / temperature
     targets = batch.targets[batch.completion]
     return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 

@@ -68,7 +68,8 @@ class StepResult(msgspec.Struct):
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, samples: Sequence[Sample],
-               config: TrainerConfig, pad_id: int, step: int | None = None) -> StepResult:
+               config: TrainerConfig, pad_id: int, step: int | None = None,
+               temperature: float = 1.0) -> StepResult:
     """One optimizer step on one batch of samples (pure compute: no I/O)."""
     if not samples:
         raise ValueError("a batch needs at least one sample")
@@ -84,7 +85,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, samples
     advantages = group_advantages(rewards, torch.tensor([s.group_id for s in samples]), config.normalize_std)
 
     optimizer.zero_grad(set_to_none=True)
-    logp = completion_logprobs(model, batch)
+    logp = completion_logprobs(model, batch, temperature)
     # One forward serves both: the weights have not moved yet, so logp.detach() is the trainer's
     # logprob before the step (no dropout in these models: train and inference forwards agree).
     lr_mean, lr_max = per_rollout_log_ratio(logp.detach() - behaviour, batch.flat_rollout, len(samples))
@@ -160,7 +161,8 @@ class Trainer:
         if not batch.samples:
             return Failed(step=batch.step, error="empty batch")
         started = time.perf_counter()
-        result = train_step(self.model, self.optimizer, batch.samples, self.tc, self.pad_id, step=batch.step)
+        result = train_step(self.model, self.optimizer, batch.samples, self.tc, self.pad_id, step=batch.step,
+                            temperature=self.config.sampling.temperature)
         self.step = batch.step
         metrics = dict(result.metrics, train_s=time.perf_counter() - started)
         version = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 
@@ -69,3 +70,44 @@ def test_registration_does_not_import_torch():
            "cli.register(s, s.add_parser('bench').add_subparsers()); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("error", [
+    "TransportTimeoutError", "TransportError", "ChecksumError", "TransportUnavailableError"])
+def test_a_transport_error_in_bench_exits_2_with_one_named_line(error, capsys, monkeypatch, tmp_path):
+    from transports import bench, errors
+
+    def failing(**kwargs):
+        cls = getattr(errors, error)
+        if error == "TransportTimeoutError":
+            raise cls("waiting for an engine to connect", 1.5)
+        if error == "ChecksumError":
+            raise cls("model.w", "checksum 0x1 != sent 0x2")
+        raise cls("the engine process died\nwith a second line")
+
+    monkeypatch.setattr(bench, "run_bench", failing)
+    code, out, err = run(["bench", "transports", "--size", "1MiB", "--save", str(tmp_path / "b.json")], capsys)
+    assert code == 2 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"inflight: error: {error}: ")
+    assert "Traceback" not in err
+    assert not (tmp_path / "b.json").exists()
+
+
+def test_the_top_level_cli_exits_2_on_a_transport_error(tmp_path):
+    """Through `inflight`'s own entry point in a child process; the failure is injected by a
+    `sitecustomize` on the child's path that replaces `run_bench`."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import transports.bench as b\n"
+        "from transports.errors import TransportTimeoutError\n"
+        "def run_bench(**kw):\n"
+        "    raise TransportTimeoutError('waiting for an engine to connect', 1.5)\n"
+        "b.run_bench = run_bench\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.getcwd()])}
+    out = subprocess.run([sys.executable, "-m", "orchestrator.cli", "bench", "transports", "--size", "1MiB",
+                          "--save", ""], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines()[-1].startswith("inflight: error: TransportTimeoutError: ")
+    assert "Traceback" not in out.stderr

@@ -1,12 +1,22 @@
 """The HTTP transport's socket settings: both ends send without Nagle's delay. Without
 TCP_NODELAY on the engine's socket each answer (head, then body) waits ~40 ms for the
-trainer's delayed ACK, a stall per bucket."""
+trainer's delayed ACK, a stall per bucket. The receiver's input handling: malformed requests
+(length, framing) and requests without the run's token get a 4xx, and it keeps serving."""
 
 from __future__ import annotations
 
+import base64
 import socket
+import threading
 
-from transports.http import HttpReceiver, HttpSender
+import pytest
+import torch
+
+from tests.helpers import raw_http
+from transports.http import BUCKET_PATH, HEADER, HttpReceiver, HttpSender
+from transports.refit.plan import RefitPlan
+from transports.staging import StagingArea
+from transports.wire import encode_header
 
 
 def test_both_ends_of_a_bucket_connection_disable_nagle():
@@ -30,20 +40,8 @@ def test_both_ends_of_a_bucket_connection_disable_nagle():
         sender.close()
         receiver.close()
 
-
 # -- malformed input and the per-run token (issue 11: item 11, security) ----------------------
 
-import base64  # noqa: E402
-import threading  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from tests.helpers import raw_http  # noqa: E402
-from transports.http import BUCKET_PATH, HEADER  # noqa: E402
-from transports.refit.plan import RefitPlan  # noqa: E402
-from transports.staging import StagingArea  # noqa: E402
-from transports.wire import encode_header  # noqa: E402
 
 
 def one_bucket_plan():
@@ -54,7 +52,8 @@ def one_bucket_plan():
 
 
 def bucket_request(header, payload: bytes, *, token: str | None, extra: str = "", length: str | None = None) -> bytes:
-    lines = [f"PUT {BUCKET_PATH} HTTP/1.1", "Host: 127.0.0.1", f"{HEADER}: {base64.b64encode(encode_header(header)).decode()}"]
+    meta = base64.b64encode(encode_header(header)).decode()
+    lines = [f"PUT {BUCKET_PATH} HTTP/1.1", "Host: 127.0.0.1", f"{HEADER}: {meta}"]
     if token is not None:
         lines.append(f"Authorization: Bearer {token}")
     if length is not None:
@@ -135,13 +134,11 @@ def test_a_bucket_without_the_run_token_is_refused_with_401(receiver, token):
 
 
 def test_connection_close_is_honoured_and_answered(receiver):
-    import socket as _socket
-
     plan, state = one_bucket_plan()
     header, payload = next(iter(plan.pack(state, version=1, attempt=1, prefetch=False)))
     request = bucket_request(header, bytes(payload), token="run-secret", length=str(len(payload)),
                              extra="Connection: close")
-    with _socket.create_connection(("127.0.0.1", receiver.port), timeout=5) as sock:
+    with socket.create_connection(("127.0.0.1", receiver.port), timeout=5) as sock:
         sock.sendall(request)  # the write side stays open: only the server may end the connection
         answer = b""
         while chunk := sock.recv(65536):
