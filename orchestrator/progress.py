@@ -128,7 +128,7 @@ def summary(state: ProgressState, stats: dict, run_dir: str, http_url: str | Non
         "",
         "next:",
         f"  inflight stats {run_dir}                  staleness, spans, activations",
-        f"  inflight export {run_dir} --parquet rollouts.parquet",
-        f"  inflight replay {run_dir}                 off-policy analysis (when available)",
+        f"  inflight export {run_dir} --parquet rollouts.parquet   one row per rollout (DuckDB, polars)",
+        f"  inflight run --run-dir {run_dir} --resume --max-steps N   continue training",
     ]
     return "\n".join(lines)
