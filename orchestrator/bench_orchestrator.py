@@ -50,6 +50,7 @@ def fake_engine(engine_id: str):
         def __init__(self) -> None:
             self.engine_id = engine_id
             self.version = 0
+            self.staged = None
             self._chunk_ids = list(range(CHUNK))
             self._chunk_lps = [-1.0] * CHUNK
 
@@ -71,7 +72,15 @@ def fake_engine(engine_id: str):
         async def healthy(self): return True
         async def set_weight_version(self, version): self.version = version
         async def reset_prefix_cache(self): ...
-        async def collective_rpc(self, method, args=(), kwargs=None, timeout=None): return [{}]
+        async def collective_rpc(self, method, args=(), kwargs=None, timeout=None):
+            # The swap extension's answers, instantly: a version staged is ready at once.
+            if method == "swap_stage":
+                self.staged = json.loads(args[0])["version"]
+            if method == "swap_status":
+                return [{"state": "staged", "version": self.staged}]
+            if method == "swap_apply":
+                return [{"version": self.staged, "requests": {}}]
+            return [{}]
         async def shutdown(self): ...
 
     return ZeroLatencyEngine()

@@ -8,7 +8,8 @@ writer thread appends what is queued in batches under the log's fsync policy. `f
 thread goes on: nothing acknowledged is lost for it.
 
 The live `/stats` is computed by the same code as `inflight stats --json` (`replay`'s
-`LiveStats` over the records submitted), so at a quiescent moment they are equal.
+`LiveStats`), fed by the writer thread with each record the log accepted, so at a quiescent
+moment (everything submitted written) they are equal; metrics count the same records.
 
 `build_rollout_record` turns a rollout's outcome into its one terminal `RolloutRecord`, with the
 run's own ids, group, prompt, identity, sampling and the timings the fleet observed: a value
@@ -65,6 +66,7 @@ class Recorder:
         self._on_record = on_record  # metrics: called on the loop thread per submitted record
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._failure: BaseException | None = None
+        self._stats_lock = threading.Lock()  # live stats: added on the writer thread, read on the loop's
         self._thread = threading.Thread(target=self._write_forever, name="replay-writer", daemon=True)
         self._thread.start()
 
@@ -75,18 +77,20 @@ class Recorder:
             raise RuntimeError(f"the replay writer failed: {self._failure!r}") from self._failure
         self._queue.put(record)
         self.submitted += 1
-        self.live.add(record)
-        if self._on_record is not None:
-            self._on_record(record)
 
     def preload(self, records) -> None:
         """Records already in the log (a resumed run): counted by the live statistics and the
         metrics, not written again."""
-        for record in records:
-            self.submitted += 1
-            self.live.add(record)
-            if self._on_record is not None:
-                self._on_record(record)
+        with self._stats_lock:
+            for record in records:
+                self.submitted += 1
+                self.written += 1
+                self._accepted(record)
+
+    def _accepted(self, record: Record) -> None:
+        self.live.add(record)
+        if self._on_record is not None:
+            self._on_record(record)
 
     async def flush(self, timeout_s: float = 60.0) -> None:
         """Wait until everything submitted so far is durable."""
@@ -107,10 +111,11 @@ class Recorder:
 
     def stats(self, filters=None) -> dict[str, Any]:
         """What `inflight stats --json` prints for the records submitted so far."""
-        return self.live.snapshot(filters, log_info=self.log_info())
+        with self._stats_lock:
+            return self.live.snapshot(filters, log_info=self.log_info())
 
     def log_info(self) -> dict[str, Any]:
-        return {"directory": self.log.log_dir, "records": self.submitted, "corrupt_records": 0,
+        return {"directory": self.log.log_dir, "records": self.written, "corrupt_records": 0,
                 "invalid_records": 0, "unknown_records": 0, "torn_tail_bytes": 0}
 
     # -- the writer thread -------------------------------------------------------------------
@@ -135,7 +140,9 @@ class Recorder:
                     continue
                 try:
                     self.log.append(item)
-                    self.written += 1
+                    with self._stats_lock:
+                        self.written += 1
+                        self._accepted(item)
                 except InvalidRecordError as exc:
                     self.refused += 1
                     log.error("recording.record_refused", field=exc.field, reason=exc.reason,

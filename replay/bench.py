@@ -90,7 +90,7 @@ def synthetic_columns(rows: int, seed: int = 0) -> Columns:
     in_flight = rng.choice(np.array([0, 0, 0, 1, 2]), rows)
     queue = rng.geometric(0.5, rows) - 1
     consumed = rng.integers(10, 10_000, rows)
-    dispatched = consumed - queue - in_flight
+    dispatched = consumed - 1 - queue - in_flight  # step s trains from version s - 1
     n_versions = (in_flight + 1).astype(np.int32)
     seg_row = np.repeat(np.arange(rows), n_versions)
     first_of_row = np.repeat(np.cumsum(n_versions) - n_versions, n_versions)
@@ -102,6 +102,8 @@ def synthetic_columns(rows: int, seed: int = 0) -> Columns:
         status=status, detail=np.where(status > 0, 0, -1).astype(np.int32), dispatched=dispatched,
         span_start=dispatched, span_end=dispatched + in_flight, n_versions=n_versions,
         n_tokens=n_tokens, consumed=np.where(status == 0, consumed, -1),
+        discarded=np.full(rows, -1, np.int32),
+        reward=np.where(rng.random(rows) < 0.9, rng.random(rows), np.nan),
         seg_row=seg_row, seg_version=dispatched[seg_row] + within, seg_tokens=seg_tokens,
         act_version=np.arange(10_000, dtype=np.int64), act_outcome=np.zeros(10_000, np.int32),
         entry_activation=np.repeat(np.arange(10_000), 4),

@@ -132,17 +132,24 @@ def render_stats(stats: dict[str, Any], *, per_step: bool = False, console: Any 
     if log:
         console.print(f"[bold]{log['directory']}[/]: {log['records']} records, "
                       f"{log['corrupt_records']} corrupt and {log['invalid_records']} invalid "
-                      f"skipped, torn tail {log['torn_tail_bytes']} bytes")
+                      f"skipped, {log.get('unknown_records', 0)} of unknown types skipped, "
+                      f"{log.get('missing_segments', 0)} segments missing, "
+                      f"torn tail {log['torn_tail_bytes']} bytes")
 
     counts = Table(title="Rollouts")
-    for name in ("total", *STATUSES, "dropped for staleness"):
+    for name in ("total", *STATUSES, "dropped for staleness", "(in flight", "completed)"):
         counts.add_column(name, justify="right")
-    rollouts = stats["rollouts"]
+    rollouts, stale = stats["rollouts"], stats["stale"]
     counts.add_row(*(str(rollouts[name]) for name in ("total", *STATUSES)),
-                   str(stats["dropped_for_staleness"]))
+                   str(stats["dropped_for_staleness"]), str(stale["in_flight"]),
+                   str(stale["completed"]))
     console.print(counts)
+    if stats["invalid_consumptions"]:
+        console.print(f"[bold red]{stats['invalid_consumptions']} invalid consumptions[/] (a "
+                      f"rollout consumed or discarded again; the first record counts)")
 
-    lags = Table(title="Staleness (trainer step - dispatched version) and version spans")
+    lags = Table(title="Staleness ((trainer step - 1) - dispatched version: the version the "
+                       "trainer held minus the one that sampled it) and version spans")
     for name in ("", "count", "mean", "p50", "p90", "p99", "max"):
         lags.add_column(name, justify="right" if name else "left")
     for key, label in (("staleness", "staleness"), ("in_flight_lag", "in-flight lag"),
@@ -160,7 +167,9 @@ def render_stats(stats: dict[str, Any], *, per_step: bool = False, console: Any 
         shares.add_row(lag, _percent(share))
     console.print(shares)
 
-    for key, title in (("dropped_by_reason", "Dropped by reason"), ("errored_by_kind", "Errored by kind")):
+    for key, title in (("dropped_by_reason", "Dropped by reason"),
+                       ("discarded_by_reason", "Completed but discarded, by reason"),
+                       ("errored_by_kind", "Errored by kind")):
         if stats[key]:
             table = Table(title=title)
             table.add_column("reason" if "reason" in key else "kind")
@@ -217,9 +226,13 @@ def run_export(args: argparse.Namespace) -> int:
     if code[0]:
         return code[0]
     where = f"{args.parquet}" + (f" and {result.tokens} token rows to {tokens_out}" if tokens_out else "")
+    skipped = ", ".join(f"{count} {what}" for count, what in (
+        (result.corrupt_records, "corrupt records"), (result.invalid_records, "invalid records"),
+        (result.unknown_records, "records of unknown types"),
+        (result.missing_segments, "missing segments"),
+        (result.invalid_consumptions, "invalid consumptions")) if count)
     print(f"exported {result.rollouts} rollouts to {where}"
-          + (f" ({result.corrupt_records} corrupt, {result.invalid_records} invalid records skipped)"
-             if result.corrupt_records or result.invalid_records else ""), file=sys.stderr)
+          + (f" (skipped: {skipped})" if skipped else ""), file=sys.stderr)
     return 0
 
 

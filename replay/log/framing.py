@@ -137,13 +137,14 @@ def _check_segment_header(data: bytes, scan: SegmentScan, *, is_last: bool,
     if len(data) >= SEGMENT_HEADER.size:
         magic, version, _flags, index = SEGMENT_HEADER.unpack_from(data, 0)
         if magic == SEGMENT_MAGIC and version == FORMAT_VERSION:
-            if scan.index is not None and index != scan.index:
-                # A renamed or copied segment: its records belong elsewhere in the log.
-                _corrupt(scan, 0, f"segment header says index {index}, the file name "
-                                  f"{scan.index}", lenient)
-            return SEGMENT_HEADER.size
-        reason = (f"unsupported format version {version}" if magic == SEGMENT_MAGIC
-                  else "bad segment header")
+            if scan.index is None or index == scan.index:
+                return SEGMENT_HEADER.size
+            # A renamed or copied segment (its records belong elsewhere in the log), or, with
+            # no frame after it in the newest segment, a header whose write was cut short.
+            reason = f"segment header says index {index}, the file name {scan.index}"
+        else:
+            reason = (f"unsupported format version {version}" if magic == SEGMENT_MAGIC
+                      else "bad segment header")
     else:
         reason = f"truncated segment header ({len(data)} bytes)"
     scan.header_ok = False

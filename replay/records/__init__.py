@@ -29,6 +29,10 @@ Invariants (equal lengths, versions never decreasing, no NaN logprob) are checke
 so every write and every read checks them. Field types are checked on write by
 ``encode_record_into`` (the encoded bytes decoded once against the record's shape) and on
 read by the typed decoder.
+
+Modules: `parts` (status, sampling settings, identity, timings, reason strings), `types` (the
+top-level records), `checks` (invariants, blob helpers), `codec` (encode/decode); every name
+is importable from `replay.records`.
 """
 
 from replay.records.checks import FLOAT32, INT32, int32_values

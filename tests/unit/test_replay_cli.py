@@ -82,7 +82,8 @@ def test_stats_json_has_the_contract_keys(run_dir, capsys):
     assert run_cli(["stats", str(path), "--json"]) == 0
     stats = json.loads(capsys.readouterr().out)
     assert stats["rollouts"] == {"completed": 3, "dropped": 1, "errored": 0, "total": 4}
-    assert stats["staleness"]["max"] == 3 and stats["in_flight_lag"]["max"] == 1
+    # staleness = (consuming step - 1) - dispatched version: rollout 3, consumed by step 6
+    assert stats["staleness"]["max"] == 2 and stats["in_flight_lag"]["max"] == 1
     assert stats["multi_version_fraction"] == pytest.approx(1 / 3)
     assert stats["activations"]["count"] == 1
     assert stats["dropped_for_staleness"] == 1
@@ -126,13 +127,13 @@ def test_exported_parquet_reads_with_duckdb(exported):
     rollouts = con.execute(
         f"SELECT rollout_id, status, consumed_step, staleness, span_end, drop_reason, seed "
         f"FROM '{out}' ORDER BY rollout_id").fetchall()
-    assert rollouts == [(0, "completed", 5, 2, 4, None, 0), (1, "completed", 5, 2, 3, None, 1),
-                        (2, "dropped", None, None, 3, "stale", 2), (3, "completed", 6, 3, 3, None, 3)]
+    assert rollouts == [(0, "completed", 5, 1, 4, None, 0), (1, "completed", 5, 1, 3, None, 1),
+                        (2, "dropped", None, None, 3, "stale", 2), (3, "completed", 6, 2, 3, None, 3)]
     rows = con.execute(
         f"SELECT rollout_id, count(*), sum(logprob), min(version), max(version), max(lag) "
         f"FROM '{tokens}' GROUP BY rollout_id ORDER BY rollout_id").fetchall()
-    assert [(r[0], r[1], r[3], r[4], r[5]) for r in rows] == [
-        (0, 4, 3, 4, 2), (1, 3, 3, 3, 2), (3, 2, 3, 3, 3)]
+    assert [(r[0], r[1], r[3], r[4], r[5]) for r in rows] == [  # lag: (step - 1) - version
+        (0, 4, 3, 4, 1), (1, 3, 3, 3, 1), (3, 2, 3, 3, 2)]
     expected_sum = float(np.sum(np.float32([-0.5 - t / 8 for t in range(4)])))
     assert rows[0][2] == pytest.approx(expected_sum, rel=1e-6)
     positions = con.execute(f"SELECT list(position ORDER BY position) FROM '{tokens}' "
@@ -151,7 +152,7 @@ def test_exported_parquet_reads_with_polars(exported):
     assert frame["rollout_id"].to_list() == [0, 1, 2, 3]
     assert frame["status"].to_list() == ["completed", "completed", "dropped", "completed"]
     assert frame["consumed_step"].to_list() == [5, 5, None, 6]
-    assert frame["staleness"].to_list() == [2, 2, None, 3]
+    assert frame["staleness"].to_list() == [1, 1, None, 2]
     assert frame["prompt_tokens"].to_list() == [2, 2, 2, 2]
     token_frame = pl.read_parquet(tokens)
     assert token_frame.height == 9

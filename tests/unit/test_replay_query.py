@@ -1,5 +1,8 @@
 """`inflight stats --json` against statistics computed independently, in plain Python, from
-the parameters the test log was generated with (not from the query code or the records)."""
+the parameters the test log was generated with (not from the query code or the records).
+
+Staleness of a rollout consumed by trainer step s is (s - 1) - dispatched version (step s
+trains from version s - 1), a token's lag (s - 1) - its version."""
 
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from replay.records import (
     ActivationRecord,
     Completed,
     ConsumptionRecord,
+    DiscardRecord,
     Dropped,
     EngineActivation,
     Errored,
@@ -32,6 +36,8 @@ from replay.records import (
 
 IDENTITY = PolicyIdentity("ckpt", "tok", "tmpl", "bf16")
 ENGINES = ["e0", "e1", "e2"]
+DISCARD_REASONS = ["stale", "stale", "trainer_lost"]
+INVALID_CLAIMS = 2  # generate_log makes two
 
 
 @dataclass
@@ -45,6 +51,8 @@ class Truth:
     dispatched: int
     token_versions: list[int]
     consumed: int | None
+    reward: float | None = None  # rewards["reward"]
+    discarded: str | None = None  # the reason of the DiscardRecord that claimed it
 
 
 def run_cli(argv: list[str]) -> int:
@@ -87,11 +95,14 @@ def generate_log(run_dir, seed: int = 11) -> tuple[list[Truth], list[tuple[int, 
         if i == 399:  # consumed by `early_consumption`, which the log holds before it
             rollout_id, status, reason, consumed = 10_000, "completed", None, 40
         elif status == "completed" and rng.random() < 0.8:
-            consumed = (versions[-1] if versions else dispatched) + rng.randrange(0, 5)
+            # step s trains from version s - 1: the earliest step that can consume a rollout
+            # is one past the last version that sampled it
+            consumed = (versions[-1] if versions else dispatched) + 1 + rng.randrange(0, 5)
             in_record = rng.random() < 0.3
             if not in_record:
                 by_step.setdefault(consumed, []).append(rollout_id)
-        truth = Truth(rollout_id, rng.choice(ENGINES), status, reason, dispatched, versions, consumed)
+        truth = Truth(rollout_id, rng.choice(ENGINES), status, reason, dispatched, versions, consumed,
+                      reward=(i % 7) / 7 if i % 3 else None)
         truths.append(truth)
         records.append(RolloutRecord.from_lists(
             rollout_id=rollout_id, group_id=i // 4, prompt_id=f"p{i // 4}", engine_id=truth.engine,
@@ -101,6 +112,7 @@ def generate_log(run_dir, seed: int = 11) -> tuple[list[Truth], list[tuple[int, 
             status={"completed": Completed(), "dropped": Dropped(reason or ""),
                     "errored": Errored(reason or "", "boom")}[status],
             identity=IDENTITY, timings=Timings(0.0), consumed_step=consumed if in_record else None,
+            rewards={} if truth.reward is None else {"reward": truth.reward, "format": 1.0},
         ))
         if rng.random() < 0.05:
             version_number = len(activations) + 1
@@ -113,6 +125,16 @@ def generate_log(run_dir, seed: int = 11) -> tuple[list[Truth], list[tuple[int, 
             records.append(ActivationRecord(version=version_number, outcome=outcome, engines=engines))
     for step in sorted(by_step):
         records.append(ConsumptionRecord(step=step, rollout_ids=by_step[step]))
+    # Completed rollouts no step consumed: every third discarded (no random draws here, so the
+    # rest of the log does not depend on it).
+    unconsumed = [t for t in truths if t.status == "completed" and t.consumed is None]
+    for k, truth in enumerate(unconsumed[::3]):
+        truth.discarded = DISCARD_REASONS[k % len(DISCARD_REASONS)]
+        records.append(DiscardRecord([truth.rollout_id], truth.discarded, step=30))
+    # Two invalid claims: a second consumption of a consumed rollout, and a discard of another.
+    consumed_twice = [t for t in truths if t.consumed is not None][:2]
+    records.append(ConsumptionRecord(step=99, rollout_ids=[consumed_twice[0].rollout_id]))
+    records.append(DiscardRecord([consumed_twice[1].rollout_id], "trainer_lost"))
     with ReplayLog.open(run_dir, fsync=FsyncPolicy.every(50), segment_bytes=8192) as log:
         for record in records:
             log.append(record)
@@ -148,12 +170,12 @@ def expected_stats(truths: list[Truth], activations: list, *, steps=(None, None)
             continue
         chosen.append(t)
     consumed = [t for t in chosen if t.consumed is not None]
-    staleness = [t.consumed - t.dispatched for t in consumed]
+    staleness = [(t.consumed - 1) - t.dispatched for t in consumed]
     spans = [(t.token_versions[-1] - t.token_versions[0]) if t.token_versions else 0 for t in consumed]
     with_tokens = [t for t in chosen if t.token_versions]
     distinct = [len(set(t.token_versions)) for t in with_tokens]
     multi = [t for t in with_tokens if len(set(t.token_versions)) > 1]
-    token_lags = Counter(t.consumed - v for t in consumed for v in t.token_versions)
+    token_lags = Counter((t.consumed - 1) - v for t in consumed for v in t.token_versions)
     total_tokens = sum(token_lags.values())
     acts = [a for a in activations if (lo is None or a[0] >= lo) and (hi is None or a[0] <= hi)]
     entries = [a for a in acts if not engines or a[2] in engines]
@@ -161,7 +183,8 @@ def expected_stats(truths: list[Truth], activations: list, *, steps=(None, None)
     per_step = []
     for step in sorted({t.consumed for t in consumed}):
         group = [t for t in consumed if t.consumed == step]
-        lag = [t.consumed - t.dispatched for t in group]
+        lag = [(t.consumed - 1) - t.dispatched for t in group]
+        rewards = [t.reward for t in group if t.reward is not None]
         flight = [(t.token_versions[-1] - t.token_versions[0]) if t.token_versions else 0 for t in group]
         per_step.append({
             "step": step, "rollouts": len(group), "tokens": sum(len(t.token_versions) for t in group),
@@ -169,7 +192,10 @@ def expected_stats(truths: list[Truth], activations: list, *, steps=(None, None)
             "in_flight_lag_mean": sum(flight) / len(group),
             "queue_lag_mean": sum(a - b for a, b in zip(lag, flight)) / len(group),
             "multi_version_fraction": sum(len(set(t.token_versions)) > 1 for t in group) / len(group),
+            "reward_mean": sum(rewards) / len(rewards) if rewards else None,
         })
+    stale_in_flight = sum(t.status == "dropped" and t.reason == "stale" for t in chosen)
+    stale_completed = sum(t.discarded == "stale" for t in chosen)
     return {
         "rollouts": {"completed": sum(t.status == "completed" for t in chosen),
                      "dropped": sum(t.status == "dropped" for t in chosen),
@@ -182,7 +208,10 @@ def expected_stats(truths: list[Truth], activations: list, *, steps=(None, None)
         "multi_version_token_fraction": sum(len(t.token_versions) for t in multi)
         / sum(len(t.token_versions) for t in with_tokens),
         "token_share_by_lag": {str(k): v / total_tokens for k, v in sorted(token_lags.items())},
-        "dropped_for_staleness": sum(t.status == "dropped" and t.reason == "stale" for t in chosen),
+        "dropped_for_staleness": stale_in_flight + stale_completed,
+        "stale": {"in_flight": stale_in_flight, "completed": stale_completed},
+        "discarded_by_reason": dict(Counter(t.discarded for t in chosen if t.discarded)),
+        "invalid_consumptions": INVALID_CLAIMS,
         "dropped_by_reason": dict(Counter(t.reason for t in chosen if t.status == "dropped")),
         "errored_by_kind": dict(Counter(t.reason for t in chosen if t.status == "errored")),
         "activations": {
@@ -209,6 +238,9 @@ def _approx_nested(actual, expected) -> bool:
     if isinstance(expected, list):
         assert len(actual) == len(expected)
         return all(_approx_nested(a, e) for a, e in zip(actual, expected))
+    if expected is None:  # unknown stays unknown: never a number
+        assert actual is None
+        return True
     assert actual == pytest.approx(expected, rel=1e-9, abs=1e-12), (actual, expected)
     return True
 
@@ -238,6 +270,8 @@ def test_stats_json_equals_an_independent_computation(generated, capsys):
     assert_matches(actual, expected_stats(truths, activations))
     assert actual["log"]["corrupt_records"] == 0 and actual["unmatched_consumptions"] == 0
     assert actual["multi_version_fraction"] > 0  # the generated log exercises spans
+    assert actual["stale"]["in_flight"] > 0 and actual["stale"]["completed"] > 0
+    assert all(row["reward_mean"] is None or 0 <= row["reward_mean"] < 1 for row in actual["per_step"])
 
 
 @pytest.mark.parametrize("argv, selection", [

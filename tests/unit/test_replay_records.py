@@ -10,18 +10,20 @@ from __future__ import annotations
 
 import math
 import shutil
+import struct
 from pathlib import Path
 
 import msgspec
 import numpy as np
 import pytest
 
-from replay.errors import InvalidRecordError
+from replay.errors import InvalidRecordError, UnknownRecordTypeError
 from replay.log import FsyncPolicy, ReplayLog, frame, read_records, segment_header
 from replay.records import (
     ActivationRecord,
     Completed,
     ConsumptionRecord,
+    DiscardRecord,
     Dropped,
     EngineActivation,
     Errored,
@@ -37,8 +39,11 @@ from replay.records import (
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "replay"
 # The newest golden segment is what writing must reproduce; every older one (written by an
 # earlier record definition, never regenerated) must still read back.
-GOLDEN_SEGMENT = FIXTURES / "golden_v2.seg"  # v2: ActivationRecord gained strategy, kv_policy, kv_carried
-OLDER_GOLDEN_SEGMENTS = [FIXTURES / "golden_v1.seg"]
+# v2: ActivationRecord gained strategy, kv_policy, kv_carried. v3: SamplingSettings gained
+# min_tokens, stop_token_ids, ignore_eos; PolicyIdentity logprobs_mode; ConsumptionRecord the
+# trainer's per-rollout and per-step measurements; the DiscardRecord type.
+GOLDEN_SEGMENT = FIXTURES / "golden_v3.seg"
+OLDER_GOLDEN_SEGMENTS = [FIXTURES / "golden_v1.seg", FIXTURES / "golden_v2.seg"]
 IDENTITY = PolicyIdentity("Qwen/Qwen3-0.6B", "tok-1a2b", "tmpl-3c4d", "bf16")
 
 # The on-disk field order. Append new fields (with defaults) at the end; never edit a line.
@@ -51,11 +56,16 @@ GOLDEN_FIELDS = {
     ],
     ActivationRecord: ["version", "outcome", "engines", "activated_at", "message", "strategy",
                        "kv_policy", "kv_carried"],
-    ConsumptionRecord: ["step", "rollout_ids"],
+    ConsumptionRecord: ["step", "rollout_ids",
+                        "advantages", "log_ratio_mean", "log_ratio_max_abs", "reward_mean", "loss",
+                        "version", "metrics"],
     RunMetaRecord: ["run_id", "created_at", "identity", "config"],
+    DiscardRecord: ["rollout_ids", "reason", "step", "at"],
     EngineActivation: ["engine_id", "transfer_s", "pause_s", "outcome"],
-    SamplingSettings: ["temperature", "top_p", "top_k", "min_p", "max_tokens", "seed", "stop"],
-    PolicyIdentity: ["base_checkpoint", "tokenizer_hash", "chat_template_hash", "serving_precision"],
+    SamplingSettings: ["temperature", "top_p", "top_k", "min_p", "max_tokens", "seed", "stop",
+                       "min_tokens", "stop_token_ids", "ignore_eos"],
+    PolicyIdentity: ["base_checkpoint", "tokenizer_hash", "chat_template_hash", "serving_precision",
+                     "logprobs_mode"],
     Timings: ["dispatched_at", "first_token_at", "finished_at"],
     Dropped: ["reason"],
     Errored: ["kind", "message"],
@@ -76,7 +86,8 @@ def rollout(**overrides) -> RolloutRecord:
     return RolloutRecord.from_lists(**arguments)
 
 
-def golden_records() -> list:
+def legacy_golden_records() -> list:
+    """What golden_v1 and golden_v2 hold (read with today's defaults for newer fields)."""
     return [
         RunMetaRecord(run_id="golden", created_at=99.5, identity=IDENTITY,
                       config={"max_off_policy_steps": 4}),
@@ -89,6 +100,23 @@ def golden_records() -> list:
                          engines=[EngineActivation("engine-0", 1.25, 0.004),
                                   EngineActivation("engine-1", 1.5, 0.006)]),
         ConsumptionRecord(step=21, rollout_ids=[17, 19]),
+    ]
+
+
+def golden_records() -> list:
+    """What the newest golden segment holds: every field set, every record type."""
+    return legacy_golden_records() + [
+        rollout(rollout_id=20, consumed_step=None,
+                sampling=SamplingSettings(temperature=0.7, top_k=20, max_tokens=64, min_tokens=2,
+                                          stop_token_ids=(2, 7), ignore_eos=True),
+                identity=PolicyIdentity("Qwen/Qwen3-0.6B", "tok-1a2b", "tmpl-3c4d", "bf16",
+                                        logprobs_mode="processed_logprobs")),
+        rollout(rollout_id=21, consumed_step=None, token_versions=None, rewards={"reward": 0.25}),
+        ConsumptionRecord.from_arrays(step=22, rollout_ids=[20], advantages=[0.5],
+                                      log_ratio_mean=[-0.015625], log_ratio_max_abs=[0.125],
+                                      reward_mean=0.75, loss=1.5, version=22,
+                                      metrics={"grad_norm": 0.25, "kl": 0.0078125}),
+        DiscardRecord(rollout_ids=[21], reason="stale", step=22, at=123.5),
     ]
 
 
@@ -228,7 +256,8 @@ def test_field_order_matches_the_golden_list(struct_type):
 def test_new_fields_have_defaults_so_old_logs_still_read():
     """Every field after the first version's fields must have a default."""
     first_version_required = {RolloutRecord: 16, ActivationRecord: 3, ConsumptionRecord: 2,
-                              RunMetaRecord: 2}
+                              RunMetaRecord: 2, DiscardRecord: 2, SamplingSettings: 0,
+                              PolicyIdentity: 4}
     for struct_type, required in first_version_required.items():
         for info in msgspec.structs.fields(struct_type)[required:]:
             has_default = (info.default is not msgspec.NODEFAULT
@@ -249,7 +278,8 @@ def test_writing_golden_records_reproduces_the_golden_segment_bytes(tmp_path):
 def test_every_golden_segment_reads_back_as_the_golden_records(tmp_path, segment):
     (tmp_path / "replay").mkdir()
     shutil.copy(segment, tmp_path / "replay" / "00000001.seg")
-    assert list(read_records(tmp_path)) == golden_records()
+    expected = golden_records() if segment == GOLDEN_SEGMENT else legacy_golden_records()
+    assert list(read_records(tmp_path)) == expected
 
 
 def _definition(struct_type: type, fields: list) -> type:
@@ -299,3 +329,122 @@ def test_a_next_definition_with_an_appended_field_interoperates_both_ways(tmp_pa
     (tmp_path / "replay" / "00000001.seg").write_bytes(
         segment_header(1) + frame(msgspec.msgpack.encode(newer)))
     assert list(read_records(tmp_path)) == [record]  # the current reader skips engine_step
+
+
+# --- sampling settings: one type for the engine and the log ----------------------------------
+
+
+def test_sampling_settings_validate_returns_itself_and_maps_onto_vllm():
+    settings = SamplingSettings(temperature=0.7, top_p=0.9, top_k=20, min_p=0.05, max_tokens=64,
+                                seed=3, stop=("</s>",), min_tokens=2, stop_token_ids=(2, 7),
+                                ignore_eos=True)
+    assert settings.validate() is settings
+    assert settings.to_vllm() == {
+        "temperature": 0.7, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "max_tokens": 64,
+        "min_tokens": 2, "seed": 3, "stop": ["</s>"], "stop_token_ids": [2, 7],
+        "ignore_eos": True, "logprobs": 0,
+    }
+    unbounded = SamplingSettings().validate().to_vllm()
+    assert "max_tokens" not in unbounded  # None is left to vLLM, never invented
+    assert unbounded["seed"] is None and unbounded["top_k"] == -1
+
+
+@pytest.mark.parametrize("overrides, field", [
+    ({"temperature": -0.1}, "sampling.temperature"),
+    ({"temperature": math.nan}, "sampling.temperature"),
+    ({"temperature": math.inf}, "sampling.temperature"),
+    ({"temperature": "hot"}, "sampling.temperature"),
+    ({"top_p": 0.0}, "sampling.top_p"),
+    ({"top_p": 1.5}, "sampling.top_p"),
+    ({"top_k": -2}, "sampling.top_k"),
+    ({"top_k": 1.5}, "sampling.top_k"),
+    ({"min_p": -0.5}, "sampling.min_p"),
+    ({"min_p": 1.5}, "sampling.min_p"),
+    ({"max_tokens": 0}, "sampling.max_tokens"),
+    ({"min_tokens": -1}, "sampling.min_tokens"),
+    ({"min_tokens": 9, "max_tokens": 8}, "sampling.min_tokens"),
+    ({"seed": -1}, "sampling.seed"),
+    ({"stop_token_ids": (3, -1)}, "sampling.stop_token_ids[1]"),
+    ({"ignore_eos": 1}, "sampling.ignore_eos"),
+])
+def test_sampling_settings_out_of_range_are_refused_naming_the_field(overrides, field):
+    with pytest.raises(InvalidRecordError) as raised:
+        SamplingSettings(**overrides).validate()
+    assert raised.value.field == field
+    assert f"`{field}`" in str(raised.value)
+
+
+@pytest.mark.parametrize("settings", [SamplingSettings(top_k=0), SamplingSettings(top_k=-1),
+                                      SamplingSettings(temperature=0.0, min_tokens=4, max_tokens=4),
+                                      SamplingSettings(min_tokens=100)])
+def test_sampling_settings_edges_that_are_valid(settings):
+    assert settings.validate() is settings
+
+
+# --- consumption and discard records ---------------------------------------------------------
+
+
+def test_consumption_record_carries_per_rollout_values_aligned_with_ids():
+    record = ConsumptionRecord.from_arrays(step=4, rollout_ids=np.array([7, 8, 9]),
+                                           advantages=[1.0, -0.5, 0.0], loss=0.25, version=4)
+    assert record.rollout_ids == [7, 8, 9]
+    assert record.values("advantages").tolist() == [1.0, -0.5, 0.0]
+    assert record.values("log_ratio_mean") is None  # not recorded: absent, never 0.0
+    assert record.reward_mean is None and record.metrics == {}
+    assert decode_record(encode_record(record)) == record
+    with pytest.raises(KeyError):
+        record.values("loss")
+
+
+@pytest.mark.parametrize("make, field", [
+    (lambda: ConsumptionRecord.from_arrays(step=1, rollout_ids=[1, 2], advantages=[1.0]), "advantages"),
+    (lambda: ConsumptionRecord.from_arrays(step=1, rollout_ids=[1], log_ratio_mean=[math.nan]),
+     "log_ratio_mean"),
+    (lambda: ConsumptionRecord(step=1, rollout_ids=[1], log_ratio_max_abs=b"\x00\x00"), "log_ratio_max_abs"),
+    (lambda: ConsumptionRecord(step=1, rollout_ids=[1], loss=math.nan), "loss"),
+    (lambda: ConsumptionRecord(step=1, rollout_ids=[1], reward_mean=math.nan), "reward_mean"),
+    (lambda: ConsumptionRecord(step=1, rollout_ids=[1], metrics={"kl": math.nan}), "metrics.kl"),
+    (lambda: ConsumptionRecord(step=1, rollout_ids=[1], version=-1), "version"),
+    (lambda: DiscardRecord(rollout_ids=[1], reason="stale", step=-2), "step"),
+])
+def test_bad_consumption_and_discard_records_are_refused(make, field):
+    with pytest.raises(InvalidRecordError) as raised:
+        make()
+    assert raised.value.field == field
+
+
+def test_a_consumption_record_changed_after_building_is_refused_on_write(tmp_path):
+    record = ConsumptionRecord.from_arrays(step=1, rollout_ids=[1], advantages=[0.5])
+    record.rollout_ids.append(2)  # the list inside a frozen record is still mutable
+    with ReplayLog.open(tmp_path) as log, pytest.raises(InvalidRecordError) as raised:
+        log.append(record)
+    assert raised.value.field == "advantages"
+    other = ConsumptionRecord(step=1, rollout_ids=[1])
+    other.metrics["loss_scale"] = math.nan
+    with pytest.raises(InvalidRecordError) as raised:
+        encode_record(other)
+    assert raised.value.field == "metrics.loss_scale"
+
+
+def test_an_invalid_consumption_record_is_refused_on_read():
+    good = msgspec.to_builtins(ConsumptionRecord(step=1, rollout_ids=[1, 2]))
+    good.update(log_ratio_mean=b"", log_ratio_max_abs=b"")  # (to_builtins made them text)
+    good["advantages"] = struct.pack("<f", 1.0)  # one value for two rollouts
+    with pytest.raises(InvalidRecordError) as raised:
+        decode_record(msgspec.msgpack.encode(good))
+    assert raised.value.field == "advantages"
+
+
+# --- record types from a newer writer --------------------------------------------------------
+
+
+def test_an_unknown_record_type_is_named_as_such():
+    with pytest.raises(UnknownRecordTypeError) as raised:
+        decode_record(msgspec.msgpack.encode({"type": "future_thing", "payload": [1, 2]}))
+    assert raised.value.record_type == "future_thing" and raised.value.field == "type"
+    assert isinstance(raised.value.at("00000001.seg", 16), UnknownRecordTypeError)
+    for not_unknown in ({"type": 3}, {"rollout_id": 1}, [1, 2],
+                        {"type": "consumption", "step": "x", "rollout_ids": []}):
+        with pytest.raises(InvalidRecordError) as raised:
+            decode_record(msgspec.msgpack.encode(not_unknown))
+        assert not isinstance(raised.value, UnknownRecordTypeError), not_unknown

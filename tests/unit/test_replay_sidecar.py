@@ -8,12 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from replay import query
 from replay.errors import CorruptRecordError
 from replay.log import FRAME_HEADER, ReplayLog
-from replay.query import SIDECAR_SUFFIX, Filters, stats_from_log
-from tests.unit.test_replay_query import generate_log
+from replay.query import SIDECAR_SUFFIX, Filters, fromlog, stats_from_log
 from tests.unit.test_replay_log import rollout
+from tests.unit.test_replay_query import generate_log
 
 
 @pytest.fixture
@@ -26,13 +25,13 @@ def run_dir(tmp_path) -> Path:
 def scans(monkeypatch) -> list[int]:
     """Counts segments summarized by scanning (not read from a sidecar)."""
     calls: list[int] = []
-    summarize = query.summarize_segment
+    summarize = fromlog.summarize_segment
 
     def counting(records):
         calls.append(1)
         return summarize(records)
 
-    monkeypatch.setattr(query, "summarize_segment", counting)
+    monkeypatch.setattr(fromlog, "summarize_segment", counting)  # where stats_from_log finds it
     return calls
 
 
