@@ -141,7 +141,7 @@ class BenchRun:
         batch_groups = max(1, concurrency // group)
         batch = group * batch_groups
         self.max_steps = max(2, rollouts // batch)
-        scheduler = SchedulerConfig(group_size=group, batch_groups=batch_groups, max_off_policy_steps=1,
+        scheduler = SchedulerConfig(group_size=group, batch_groups=batch_groups, max_off_policy_steps=4,
                                     max_inflight=concurrency)
         self.config = RunConfig(scheduler=scheduler, run=RunSection(shutdown_grace_s=30.0))
         self.run_dir = run_dir

@@ -19,6 +19,7 @@ that was not observed is absent, never a default.
 from __future__ import annotations
 
 import hashlib
+import sys
 import json
 import queue
 import threading
@@ -27,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import numpy as np
+from array import array
 
 from orchestrator.logging import get_logger
 from orchestrator.rollouts import FleetCompletion
@@ -45,6 +46,8 @@ from replay.records import (
 )
 
 log = get_logger(__name__)
+if sys.byteorder != "little" or array("i").itemsize != 4 or array("f").itemsize != 4:
+    raise ImportError("recording packs int32/float32 blobs with array(): needs a little-endian machine")
 _FLUSH = object()
 _STOP = object()
 
@@ -227,15 +230,17 @@ def build_rollout_record(ctx: RolloutContext, terminal: Terminal, completion: Fl
         status = Dropped(terminal.reason or "dropped")
     else:
         status = Errored(terminal.reason or "error", terminal.message[:500])
-    tokens = np.zeros(0, np.int32)
-    logprobs = np.zeros(0, np.float32)
-    versions, kv = None, False
+    tokens = array("i")
+    logprobs = array("f")
+    changes, kv = None, False
     timings = Timings(dispatched_at=ctx.dispatched_at)
     dispatched_version, engine_id = ctx.dispatched_version, ctx.engine_id
     if completion is not None:
-        tokens = np.asarray(completion.token_ids, dtype=np.int32)
-        logprobs = np.asarray(completion.logprobs, dtype=np.float32)
-        versions = completion.versions if completion.token_ids else None
+        # array() packs a list of Python numbers several times faster than numpy does, and
+        # from_lists takes any buffer (little-endian machines; checked at import).
+        tokens = array("i", completion.token_ids)
+        logprobs = array("f", completion.logprobs)
+        changes = completion.change_points() if completion.token_ids else None
         # The fleet's dispatch instant is when the request went to the engine (later than the
         # scheduler's decision, by the journal's fsync): the record keeps the decision.
         timings = Timings(dispatched_at=ctx.dispatched_at, first_token_at=completion.first_token_at,
@@ -244,7 +249,7 @@ def build_rollout_record(ctx: RolloutContext, terminal: Terminal, completion: Fl
         dispatched_version, engine_id = completion.dispatched_version, completion.engine_id
     return RolloutRecord.from_lists(
         rollout_id=ctx.rollout_id, group_id=ctx.group_id, prompt_id=ctx.prompt_id, engine_id=engine_id,
-        prompt_token_ids=np.asarray(ctx.prompt_token_ids, dtype=np.int32), completion_token_ids=tokens,
+        prompt_token_ids=array("i", ctx.prompt_token_ids), completion_token_ids=tokens,
         completion_logprobs=logprobs, dispatched_version=dispatched_version, identity=identity,
-        timings=timings, token_versions=versions, kv_carried_across_versions=kv, status=status,
+        timings=timings, version_changes=changes, kv_carried_across_versions=kv, status=status,
         rewards=dict(rewards or {}), sampling=sampling)

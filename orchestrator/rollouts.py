@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import anyio
 
-from orchestrator.engines.base import SamplingSettings, versions_from_spans
+from orchestrator.engines.base import SamplingSettings
 from orchestrator.errors import ActivationError, EngineDeadError, EngineError, FencedEngineError
 from orchestrator.logging import get_logger
 
@@ -66,7 +66,10 @@ class FleetCompletion:
     prompt_token_ids: list[int]
     token_ids: list[int]
     logprobs: list[float]
-    versions: list[int]
+    # [(first token index, version), ...]: where the (non-decreasing) per-token version changes.
+    # Kept as change points, not one version per token: expanding costs per token and the
+    # record stores change points anyway (`versions` expands on demand).
+    changes: list[tuple[int, int]]
     dispatched_version: int
     kv_carried_across_versions: bool
     status: str  # completed, dropped, errored
@@ -80,12 +83,48 @@ class FleetCompletion:
     message: str = ""
 
     def change_points(self) -> list[tuple[int, int]]:
-        out: list[tuple[int, int]] = []
-        for i, v in enumerate(self.versions):
-            if not out or out[-1][1] != v:
-                out.append((i, v))
+        return list(self.changes)
+
+    @property
+    def versions(self) -> list[int]:
+        """The policy version of every completion token."""
+        n = len(self.token_ids)
+        out: list[int] = []
+        for i, (start, version) in enumerate(self.changes):
+            end = self.changes[i + 1][0] if i + 1 < len(self.changes) else n
+            out += [version] * (end - start)
         return out
 
+
+def change_points(spans, n: int, dispatched_version: int, switches: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Per-token versions of n tokens as change points: the engine's spans (or the dispatched
+    version when it reported none or inconsistent ones), raised at each switch the activation
+    reported ((k, v): from token k on, at least version v: the worker swapped before it)."""
+    if n == 0:
+        return []
+    base: list[tuple[int, int]] = [(0, dispatched_version)]
+    if spans:
+        covered = [(s.start, s.version) for s in spans if s.end > s.start]
+        if covered and covered[0][0] == 0 and spans[-1].end == n and all(
+                a.end == b.start for a, b in zip(spans, spans[1:])):
+            base = covered
+    if not switches:
+        return _compress(base)
+    bounds = sorted({s for s, _ in base} | {k for k, _ in switches if k < n})
+    points = []
+    for b in bounds:
+        value = max(v for s, v in base if s <= b)
+        raised = [v for k, v in switches if k <= b]
+        points.append((b, max([value, *raised])))
+    return _compress(points)
+
+
+def _compress(points: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for start, version in points:
+        if not out or out[-1][1] != version:
+            out.append((start, version))
+    return out
 
 
 class RolloutStreams:
@@ -148,11 +187,14 @@ class RolloutStreams:
                 # (blocks held by running requests under `keep` or the pause-free flip).
                 async for chunk in engine.generate(rid, prompt_token_ids, sampling,
                                                    cache_salt=version_salt(track.dispatched_version), **kwargs):
-                    if chunk.token_ids and track.first_token_at is None:
-                        track.first_token_at = time.time()
-                    tokens.extend(chunk.token_ids)
-                    logprobs.extend(chunk.logprobs)
-                    track.n_tokens = len(tokens)
+                    # The per-chunk work is kept to list extends: it runs for every chunk of
+                    # every rollout in flight (inflight bench orchestrator measures it).
+                    ids = chunk.token_ids
+                    if ids:
+                        if track.first_token_at is None:
+                            track.first_token_at = time.time()
+                        tokens += ids
+                        logprobs += chunk.logprobs
                     if chunk.finished:
                         finish, spans = chunk.finish_reason, chunk.version_spans
             if scope.cancelled_caught or track.fenced:
@@ -181,11 +223,11 @@ class RolloutStreams:
             raise
         finally:
             self.tracks.pop(rid, None)
-        versions = self._versions(track, spans, len(tokens))
+        changes = change_points(spans, len(tokens), track.dispatched_version, track.switches)
         carried = track.kv_mode == "keep" and any(k < len(tokens) for k, _v in track.switches)
         if status == "errored" and reason == "missing_logprobs":
-            tokens, logprobs, versions = [], [], []
-        completion = FleetCompletion(rid, target, list(prompt_token_ids), tokens, logprobs, versions,
+            tokens, logprobs, changes = [], [], []
+        completion = FleetCompletion(rid, target, list(prompt_token_ids), tokens, logprobs, changes,
                                      track.dispatched_version, carried, status, reason, finish,
                                      dispatched_at=track.started_at, first_token_at=track.first_token_at,
                                      finished_at=time.time(), message=message)
@@ -193,18 +235,10 @@ class RolloutStreams:
         return completion
 
     def _versions(self, track: Track, spans, n: int) -> list[int]:
-        if spans is not None:
-            try:
-                versions = versions_from_spans(spans, n)
-            except ValueError:
-                versions = [track.dispatched_version] * n
-        else:
-            versions = [track.dispatched_version] * n
-        for k, v in track.switches:
-            for i in range(k, n):
-                if versions[i] < v:
-                    versions[i] = v
-        return versions
+        """One version per token (see `change_points`)."""
+        c = FleetCompletion("", "", [], [0] * n, [], change_points(spans, n, track.dispatched_version,
+                                                                      track.switches), 0, False, "")
+        return c.versions
 
     # -- what the scheduler needs -------------------------------------------------------------
     def load(self) -> dict[str, int]:
