@@ -49,7 +49,7 @@ port = 0
 
 
 def start(args: list[str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen(INFLIGHT + args, stdout=log.open("w"), stderr=subprocess.STDOUT,
+    return subprocess.Popen(INFLIGHT + ["run"] + args, stdout=log.open("w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
 
 
@@ -132,7 +132,7 @@ def reward_by_step(records) -> dict[int, float]:
 @pytest.mark.timeout(1200)
 def test_the_default_run_learns_digits_with_async_staleness_and_live_stats_match_the_log(tmp_path, rl_model):
     run_dir = tmp_path / "run"
-    config = write_config(tmp_path / "run.toml", rl_model, "[run]\n" if False else "")
+    config = write_config(tmp_path / "run.toml", rl_model)
     config.write_text(config.read_text().replace("[run]\n", "[run]\nlinger_s = 120\n"))
     log = tmp_path / "out.log"
     proc = start([str(config), "--run-dir", str(run_dir), "--max-steps", "60"], log)
@@ -229,7 +229,7 @@ def test_one_of_two_engines_killed_mid_run_errors_its_rollouts_and_the_run_goes_
     import psutil
 
     run_dir = tmp_path / "run"
-    config = write_config(tmp_path / "run.toml", rl_model, "engines = 2\n".join(["", ""]) if False else "")
+    config = write_config(tmp_path / "run.toml", rl_model)
     config.write_text("engines = 2\n" + config.read_text())
     log = tmp_path / "out.log"
     proc = start([str(config), "--run-dir", str(run_dir), "--max-steps", "14"], log)
