@@ -18,9 +18,14 @@ request (baseline, pause_swap, double_buffer) or the end of staging (pause_free)
 (or the activation) returned. Stalls are measured on two clocks (`bench_activation_measure`):
 the worker's own per-step times (`swap_step_times`) and the client's chunk arrivals.
 
+Paused strategies keep the KV of running requests by default (`--kv-policy keep`, as the
+pause-free flip must), so the stalls compare the update mechanisms alone; `--kv-policy
+recompute` adds the recompute of every running request (seconds per update on two cores).
+
 Per strategy (medians over the repetitions, with p90): `stall_ms` = the longest token-free
 interval of the update window minus the longest one of an idle window of the same length
-measured right after it (the engine's own jitter, `jitter_ms`), floored at zero, on the engine
+measured after it, once the engine's steps are back to their normal length (the engine's own
+jitter, `jitter_ms`), floored at zero, on the engine
 clock (`client_stall_ms`: the same on the client clock); `paused_ms` = pause request until
 resume returned (0 for pause-free). `stall_ratio` = baseline over pause-free median stall
 (goal >= 10). `throughput_during_transfer_ratio` = engine tokens/s while a double-buffer version
@@ -50,6 +55,11 @@ def register(bench_sub) -> None:
                    help="idle throughput window at the start of every round")
     p.add_argument("--settle-seconds", type=float, default=0.3,
                    help="pause between a publish, an update window and an idle window")
+    p.add_argument("--kv-policy", choices=("keep", "recompute"), default="keep",
+                   help="KV of requests in flight across a paused update (baseline, pause_swap, double_buffer); "
+                        "pause_free always keeps. keep (default): every strategy keeps its KV, so the stall "
+                        "compares the update mechanisms alone; recompute adds the recompute of every running "
+                        "request (seconds on two cores)")
     p.add_argument("--timeout-s", type=float, default=3600.0, help="limit for the whole benchmark")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=bench_command)

@@ -80,6 +80,7 @@ class Sample:
     paused_ms: float = 0.0
     staging: tuple[float, float] | None = None  # [start, staged] when staged off-pause
     idle_rate_window: tuple[float, float] | None = None  # this round's idle throughput window
+    in_rhythm: bool = True  # the idle twin began after the engine's steps were back to normal
     measured: dict = field(default_factory=dict)
 
     @property

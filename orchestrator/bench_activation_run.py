@@ -9,6 +9,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -25,6 +26,9 @@ STRATEGIES = ("baseline", "pause_swap", "double_buffer", "pause_free")
 THROUGHPUT_FROM = ("double_buffer", "pause_free")
 PUBLISH_TIMEOUT_S = 600.0
 RPC_TIMEOUT_S = 120.0
+#: How long to wait for the engine's normal step rhythm after an update (a recompute can take seconds).
+RHYTHM_TIMEOUT_S = 120.0
+RHYTHM_STEPS = 3
 
 
 class Load:
@@ -99,6 +103,7 @@ class Bench:
         self.steps: list[list[float]] = []  # [start, end, wall_end, requests, tokens] per engine step
         self.version = 0
         self.live = 0
+        self.typical_step = 0.1
 
     # -- publishing, off the measuring loop ---------------------------------------------------
     async def _in_process(self, fn, *args):
@@ -156,6 +161,9 @@ class Bench:
                     i0 = time.monotonic()
                     await anyio.sleep(args.idle_seconds)
                     idle_windows.append((i0, time.monotonic()))
+                    await self.fetch_steps()
+                    durations = [s[1] - s[0] for s in self.steps if i0 <= s[0] and s[1] <= idle_windows[-1][1]]
+                    self.typical_step = statistics.median(durations) if durations else 0.1
                     for name in STRATEGIES:
                         sample = await self.one(name, rep)
                         sample.idle_rate_window = idle_windows[-1]
@@ -182,8 +190,9 @@ class Bench:
         engine, raw = self.engine, self.raw
         engine.reset()
         staging = None
+        recompute = self.args.kv_policy == "recompute"
         if name == "baseline":
-            await engine.pause("keep", True)
+            await engine.pause("keep", recompute)
             await raw.collective_rpc("swap_load_dir", args=(json.dumps({"path": str(version_dir(self.root, version))}),),
                                      timeout=RPC_TIMEOUT_S)
             await raw.reset_prefix_cache()
@@ -191,7 +200,7 @@ class Bench:
             await engine.resume()
             t0, t1 = engine.pause_requested, engine.resume_returned
         else:
-            policy = "keep" if name == "pause_free" else "recompute"
+            policy = "keep" if name == "pause_free" else self.args.kv_policy
             fleet = Fleet([engine], strategy=name, kv_policy=policy, live_version=self.live)
             await fleet.setup(self.plan_json, str(self.root), timeout_s=RPC_TIMEOUT_S)
             record = await fleet.activate(version)
@@ -204,11 +213,32 @@ class Bench:
             # the update window: from the pause request, or (pause-free) the end of staging
             t0 = engine.pause_requested if name != "pause_free" and engine.pause_requested else staged_at
         self.live = version
+        # The idle twin is measured in the engine's normal rhythm, not inside a recompute that
+        # the update started (its steps can last seconds).
+        in_rhythm = await self.back_in_rhythm(t1)
         await anyio.sleep(settle)
         idle_t0 = time.monotonic()
         await anyio.sleep((t1 - t0) + settle)  # the idle twin, and time for the token that ends it
         return Sample(name, rep, t0, t1, idle_t0, paused_ms=0.0 if name == "pause_free" else engine.paused_ms(),
-                      staging=staging)
+                      staging=staging, in_rhythm=in_rhythm)
+
+    async def back_in_rhythm(self, after: float) -> bool:
+        """Waits (bounded) until `RHYTHM_STEPS` engine steps in a row ended after `after`, each
+        no longer than twice the round's typical step (+5 ms). False on timeout."""
+        import anyio
+
+        limit = 2 * self.typical_step + 0.005
+        deadline = time.monotonic() + RHYTHM_TIMEOUT_S
+        while time.monotonic() < deadline:
+            await anyio.sleep(0.1)
+            await self.fetch_steps()
+            run = 0
+            for start, end, *_ in self.steps:
+                if end > after:
+                    run = run + 1 if end - start <= limit else 0
+            if run >= RHYTHM_STEPS:
+                return True
+        return False
 
     def results(self, parameters: int, load: Load, idle_windows: list[tuple[float, float]]) -> dict:
         steps = sorted(self.steps, key=lambda s: s[1])
@@ -218,12 +248,14 @@ class Bench:
         for sample in self.samples:
             measure(sample, engine_times, client_times, engine_tokens, load.arrivals)
         out: dict = {"model_parameters": parameters, "streams": self.args.streams,
-                     "idle_seconds": self.args.idle_seconds}
+                     "idle_seconds": self.args.idle_seconds,
+                     "kv_policy": getattr(self.args, "kv_policy", "keep")}
         out.update(summarize(self.samples, STRATEGIES, throughput_from=THROUGHPUT_FROM))
         steps_ms = [median_interval(engine_times, a, b) for a, b in idle_windows]
         out["median_step_ms"] = sorted(steps_ms)[len(steps_ms) // 2] * 1e3 if steps_ms else 0.0
         out["engine_steps_recorded"] = len(steps)
         out["goals"] = {"stall_ratio": 10.0, "throughput_during_transfer_ratio": 0.8}
+        out["idle_twins_out_of_rhythm"] = sum(1 for s in self.samples if not s.in_rhythm)
         out["samples"] = [{"strategy": s.strategy, "repetition": s.repetition,
                            **{k: round(v, 3) for k, v in s.measured.items()}} for s in self.samples]
         return out

@@ -377,3 +377,48 @@ class SwapWorkerExtension(InflightWorkerExtension):
             reload_into(self._live_model(), weights, self._model_config())
         return {"tensors": len(weights), "seconds": round(time.perf_counter() - started, 6),
                 "requests": self.swap_requests()}
+
+    def swap_step_times(self, req: str = "") -> dict:
+        """The worker's own clock per engine step (for `inflight bench activation`). The first
+        call wraps this worker's `execute_model` and `sample_tokens` (instance attributes; the
+        model runner and its `swap_confirm` watch are left alone); from then on every step
+        that scheduled tokens is kept (the last 20,000). {"since": t} returns the steps that
+        ended after monotonic time t. Returns {"now", "wall", "installed", "steps": [[start,
+        end, wall_end, requests, tokens], ...]}: `time.monotonic()` is system-wide on Linux, so
+        start/end compare directly with a client's monotonic clock on the same machine;
+        `requests` is how many requests the step scheduled (a decode step samples one token
+        for each), `tokens` how many tokens it computed."""
+        from collections import deque
+
+        log = self.__dict__.get("_inflight_step_log")
+        installed = False
+        if log is None:
+            log = self.__dict__["_inflight_step_log"] = deque(maxlen=20000)
+            pending: list = []  # the step whose tokens come from sample_tokens
+            execute, sample = self.execute_model, self.sample_tokens
+
+            def execute_model(scheduler_output, *args, **kwargs):
+                start = time.monotonic()
+                out = execute(scheduler_output, *args, **kwargs)
+                tokens = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0)
+                requests = len(getattr(scheduler_output, "num_scheduled_tokens", None) or {})
+                pending.clear()
+                if tokens > 0:
+                    if out is None:
+                        pending.append((start, requests, tokens))
+                    else:
+                        log.append((start, time.monotonic(), time.time(), requests, tokens))
+                return out
+
+            def sample_tokens(*args, **kwargs):
+                out = sample(*args, **kwargs)
+                if pending:
+                    start, requests, tokens = pending.pop()
+                    log.append((start, time.monotonic(), time.time(), requests, tokens))
+                return out
+
+            self.execute_model, self.sample_tokens = execute_model, sample_tokens
+            installed = True
+        since = float(_parse(req).get("since", float("-inf")))
+        return {"now": time.monotonic(), "wall": time.time(), "installed": installed,
+                "steps": [list(s) for s in log if s[1] > since]}

@@ -125,6 +125,15 @@ def check_log_invariants(run_dir: Path, steps: int) -> list:
     return records
 
 
+def digest(version_dir: Path) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for path in sorted(version_dir.glob("*.safetensors")):
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
 def reward_by_step(records) -> dict[int, float]:
     return {c.step: c.reward_mean for c in records if isinstance(c, ConsumptionRecord)}
 
@@ -198,7 +207,7 @@ def test_sync_mode_reports_staleness_zero(tmp_path, rl_model):
 @pytest.mark.timeout(1200)
 def test_sigkill_then_resume_keeps_every_invariant_and_reaches_the_step_count(tmp_path, rl_model):
     run_dir = tmp_path / "run"
-    config = write_config(tmp_path / "run.toml", rl_model)
+    config = write_config(tmp_path / "run.toml", rl_model, "[transport]\nkeep_last = 32\n")
     log = tmp_path / "out.log"
     proc = start([str(config), "--run-dir", str(run_dir), "--max-steps", "16"], log)
     try:
@@ -208,6 +217,7 @@ def test_sigkill_then_resume_keeps_every_invariant_and_reaches_the_step_count(tm
     finally:
         kill_group(proc)
     before = list(read_records(run_dir))
+    published_before = {p.name: digest(p) for p in (run_dir / "weights").glob("v*") if (p / "COMPLETE").exists()}
     proc = start(["--run-dir", str(run_dir), "--resume", "--max-steps", "16"], tmp_path / "resume.log")
     try:
         finish(proc, tmp_path / "resume.log")
@@ -219,9 +229,16 @@ def test_sigkill_then_resume_keeps_every_invariant_and_reaches_the_step_count(tm
     old = {r.rollout_id for r in before if isinstance(r, RolloutRecord)}
     new = [r for r in records[len(before):] if isinstance(r, RolloutRecord)]
     assert not old & {r.rollout_id for r in new}
-    activated = [a.version for a in records if isinstance(a, ActivationRecord) and a.outcome == "activated"]
-    assert len(activated) == len(set(activated)), "a version number was activated twice"
-    assert max(activated) >= 15
+    # A version number never names two sets of weights: every version on disk before the crash
+    # holds the same bytes after the resume (the resumed engines re-activate the newest one),
+    # and the versions activated after the resume are that one, then only new numbers.
+    assert published_before and all(digest(run_dir / "weights" / v) == d for v, d in published_before.items())
+    old_versions = [a.version for a in before if isinstance(a, ActivationRecord) and a.outcome == "activated"]
+    new_versions = [a.version for a in records[len(before):] if isinstance(a, ActivationRecord)
+                    and a.outcome == "activated"]
+    assert new_versions[0] <= max(int(v[1:]) for v in published_before)
+    assert not set(new_versions[1:]) & set(old_versions + new_versions[:1])
+    assert len(new_versions[1:]) == len(set(new_versions[1:])) and max(new_versions) >= 15
 
 
 @pytest.mark.timeout(1200)
