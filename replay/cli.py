@@ -62,6 +62,7 @@ def register(sub: argparse._SubParsersAction, bench_sub: argparse._SubParsersAct
     bench.add_argument("--dir", default=None,
                        help="where to create the scratch directory (default: the system temp dir)")
     bench.set_defaults(func=run_bench)
+    __import__("replay.cli_replay").cli_replay.register(sub, bench_sub)  # inflight replay, bench replay-analysis
 
 
 @contextmanager

@@ -12,6 +12,7 @@ import anyio
 import torch
 
 from orchestrator.engines.base import Engine, SamplingSettings
+from replay.analysis.recompute import carried_logprobs, sequence_logprobs
 
 PROMPTS = [[5, 17, 42, 8, 23, 11, 3, 29] * 3, [7, 7, 19, 4, 61, 2, 33, 12] * 3,
            [9, 41, 6, 28, 14, 50, 3, 21] * 3, [12, 3, 5, 44, 8, 16, 27, 31] * 3]
@@ -71,44 +72,19 @@ class References:
         assert not unexpected
         self.models[version] = model
 
-    @torch.no_grad()
     def full(self, version: int, prompt: Sequence[int], tokens: Sequence[int]) -> list[float]:
         """Every position computed under `version` (what `recompute` promises)."""
-        model = self.models[version]
-        ids = torch.tensor([list(prompt) + list(tokens)])
-        logits = model(ids).logits[0, len(prompt) - 1:-1].float()
-        return torch.log_softmax(logits, -1).gather(1, torch.tensor(list(tokens))[:, None])[:, 0].tolist()
+        return sequence_logprobs(self.models[version], prompt, tokens)
 
     def recompute(self, prompt, tokens, versions) -> list[float]:
         per_version = {v: self.full(v, prompt, tokens) for v in set(versions)}
         return [per_version[v][i] for i, v in enumerate(versions)]
 
-    @torch.no_grad()
     def carried(self, prompt, tokens, versions) -> list[float]:
         """Keys/values kept across the switch: each position was fed (and its keys/values
         computed) under the version of the token it produced; prompt positions under that of
         token 0."""
-        from transformers import DynamicCache
-
-        n_prompt = len(prompt)
-        seq = list(prompt) + list(tokens)
-        positions = list(range(n_prompt + len(tokens) - 1))
-        feed_version = [versions[max(0, p - n_prompt + 1)] for p in positions]
-        cache = DynamicCache()
-        logits_all = []
-        start = 0
-        while start < len(positions):
-            end = start
-            while end < len(positions) and feed_version[end] == feed_version[start]:
-                end += 1
-            model = self.models[feed_version[start]]
-            out = model(torch.tensor([seq[start:end]]), past_key_values=cache, use_cache=True,
-                        position_ids=torch.arange(start, end)[None])
-            cache = out.past_key_values
-            logits_all.append(out.logits[0].float())
-            start = end
-        logits = torch.cat(logits_all)[n_prompt - 1:]
-        return torch.log_softmax(logits, -1).gather(1, torch.tensor(list(tokens))[:, None])[:, 0].tolist()
+        return carried_logprobs(self.models, prompt, tokens, versions)
 
 
 def new_world(tiny_model_dir, weights_dir) -> dict:
