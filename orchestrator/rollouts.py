@@ -195,6 +195,7 @@ class RolloutStreams:
                             track.first_token_at = time.time()
                         tokens += ids
                         logprobs += chunk.logprobs
+                        track.n_tokens += len(ids)  # progress, readable while it streams
                     if chunk.finished:
                         finish, spans = chunk.finish_reason, chunk.version_spans
             if scope.cancelled_caught or track.fenced:
