@@ -128,6 +128,7 @@ def summary(state: ProgressState, stats: dict, run_dir: str, http_url: str | Non
         "",
         "next:",
         f"  inflight stats {run_dir}                  staleness, spans, activations",
+        f"  inflight replay {run_dir} --verify-spans   off-policy analysis by version lag, provenance check",
         f"  inflight export {run_dir} --parquet rollouts.parquet   one row per rollout (DuckDB, polars)",
         f"  inflight run --run-dir {run_dir} --resume --max-steps N   continue training",
     ]
