@@ -183,8 +183,15 @@ class RunLoop:
                 self._finished(d, None, "errored", "engine_fenced", str(exc))
                 return
             if completion.status == "completed":
-                self.rewards[d.rollout_id] = await self.run.task.score(self.prompts[d.group_id],
-                                                                      completion.token_ids)
+                try:
+                    rewards = await self.run.task.score(self.prompts[d.group_id], completion.token_ids)
+                    if not isinstance(rewards.get("reward"), (int, float)) or not math.isfinite(rewards["reward"]):
+                        raise ValueError(f"the task's score has no finite 'reward': {rewards!r}")
+                except Exception as exc:  # noqa: BLE001 - a task's bug errors one rollout, not the run
+                    log.error("task.score_failed", rollout=d.rollout_id, error=repr(exc))
+                    self._finished(d, completion, "errored", "score_failed", repr(exc)[:500])
+                    return
+                self.rewards[d.rollout_id] = rewards
                 self._finished(d, completion, "completed")
             elif completion.status == "dropped":
                 self._finished(d, completion, "aborted", message=completion.message)
@@ -193,6 +200,8 @@ class RunLoop:
                 if completion.reason == "engine_died":
                     await self.run.fleet.engine_died(completion.engine_id, completion.message)
                     self.handle(sch.EngineDown(engine=completion.engine_id))
+                    if not self.run.fleet.coordinator.serving:
+                        self.request_stop("no engine serves", failure="every engine died or was fenced")
         except BaseException:
             # Cancelled (shutdown past its grace): the scheduler already chose the drop reason.
             self._finished(d, completion, "aborted")
@@ -244,7 +253,13 @@ class RunLoop:
     def _submit(self, a: sch.SubmitBatch) -> None:
         batch = Batch(step=a.step, samples=[self._sample(rid) for rid in a.rollout_ids])
         self.batch = (a.step, a.rollout_ids, time.monotonic())
-        self._tg.start_soon(self.run.trainer.link.send, batch)
+        self._tg.start_soon(self._send_batch, batch)
+
+    async def _send_batch(self, batch: Batch) -> None:
+        try:
+            await self.run.trainer.link.send(batch)
+        except Exception as exc:  # noqa: BLE001 - the trainer is gone or stuck: the run stops
+            self._trainer_lost(f"sending step {batch.step} to the trainer failed: {exc}")
 
     async def _trainer_messages(self) -> None:
         trainer = self.run.trainer

@@ -1,0 +1,100 @@
+"""The run loop (`orchestrator.loop.RunLoop`) with the benchmark's zero-latency fake engine and
+instant fake trainer, and injected faults: every dispatched rollout still ends in exactly one
+terminal record, whatever stops it. Real replay log, real journal, real scheduler and fleet."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from orchestrator.bench_orchestrator import BenchRun, fake_engine
+from orchestrator.errors import EngineGenerateError
+from orchestrator.fleet import Fleet
+from orchestrator.loop import RunLoop
+from orchestrator.resume import read_journal
+from replay.log import read_records
+from replay.records import ConsumptionRecord, DiscardRecord, RolloutRecord
+
+
+def make_run(tmp_path, fail_every: int = 0, tokens_delay: float = 0.0, grace_s: float = 30.0):
+    import msgspec
+
+    run = BenchRun(tmp_path, concurrency=32, rollouts=32 * 6)
+    run.config = msgspec.structs.replace(
+        run.config, run=msgspec.structs.replace(run.config.run, shutdown_grace_s=grace_s))
+    engine = fake_engine("fake-0")
+    inner = engine.generate
+    count = [0]
+
+    async def generate(request_id, prompt_token_ids, sampling, cache_salt=None, final_only=False):
+        count[0] += 1
+        if fail_every and count[0] % fail_every == 0:
+            raise EngineGenerateError("fake-0", "injected failure")
+        async for chunk in inner(request_id, prompt_token_ids, sampling, cache_salt, final_only):
+            if tokens_delay:
+                await anyio.sleep(tokens_delay)
+            yield chunk
+
+    engine.generate = generate
+    run.fleet = Fleet([engine])
+    run.loop = RunLoop(run)
+    return run
+
+
+async def drive(run, stop_after_s: float | None = None):
+    async with anyio.create_task_group() as tg:
+        if stop_after_s is not None:
+            async def stopper():
+                await anyio.sleep(stop_after_s)
+                run.loop.request_stop("test")
+            tg.start_soon(stopper)
+        with anyio.fail_after(120):
+            await run.loop.main(run.scheduler.start())
+        tg.cancel_scope.cancel()
+    await run.recorder.flush()
+    run.recorder.close()
+    run.journal.close()
+
+
+def check(run_dir):
+    records = list(read_records(run_dir))
+    rollouts = [r for r in records if isinstance(r, RolloutRecord)]
+    ids = [r.rollout_id for r in rollouts]
+    assert len(ids) == len(set(ids)), "two terminal records for one rollout"
+    assert set(ids) == set(read_journal(run_dir)), "a dispatched rollout without its terminal record"
+    consumed = [rid for c in records if isinstance(c, ConsumptionRecord) for rid in c.rollout_ids]
+    discarded = [rid for c in records if isinstance(c, DiscardRecord) for rid in c.rollout_ids]
+    assert len(consumed) == len(set(consumed)) and not set(consumed) & set(discarded)
+    by_id = {r.rollout_id: r for r in rollouts}
+    assert all(by_id[rid].status_name == "completed" for rid in consumed + discarded)
+    return records, rollouts
+
+
+@pytest.mark.timeout(180)
+async def test_failing_requests_are_errored_replaced_and_the_run_completes(tmp_path):
+    run = make_run(tmp_path, fail_every=7)
+    await drive(run)
+    records, rollouts = check(tmp_path)
+    assert run.scheduler.done_steps == run.max_steps
+    errored = [r for r in rollouts if r.status_name == "errored"]
+    assert errored and {r.status.kind for r in errored} == {"engine_generate_error"}
+
+
+@pytest.mark.timeout(180)
+async def test_a_stop_past_its_grace_gives_every_rollout_in_flight_its_terminal_record(tmp_path):
+    run = make_run(tmp_path, tokens_delay=0.01, grace_s=0.05)  # the fake ignores aborts: cancelled
+    await drive(run, stop_after_s=1.0)
+    records, rollouts = check(tmp_path)
+    assert run.scheduler.done_steps < run.max_steps
+    dropped = [r for r in rollouts if r.status_name == "dropped"]
+    assert dropped and {r.status.reason for r in dropped} == {"shutdown"}
+    # rollouts stopped mid-stream keep the tokens they had: real data, never padded
+    assert all(r.num_completion_tokens < 500 for r in dropped)
+
+
+@pytest.mark.timeout(180)
+async def test_a_stop_within_its_grace_lets_rollouts_finish(tmp_path):
+    run = make_run(tmp_path, tokens_delay=0.005)
+    await drive(run, stop_after_s=0.5)
+    records, rollouts = check(tmp_path)
+    assert rollouts and all(r.status_name == "completed" for r in rollouts)
