@@ -93,7 +93,9 @@ class _Stager:
     """One version being staged on a thread; its state is read by `swap_status`."""
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()
+        # Re-entrant: swap_drop answers with snapshot() while it holds the lock (a plain Lock
+        # deadlocked the worker there: every later RPC and forward pass waited forever).
+        self.lock = threading.RLock()
         self.state = "idle"
         self.version: int | None = None
         self.attempt: int | None = 0

@@ -124,7 +124,8 @@ async def test_one_engine_failing_to_stage_activates_neither(servers, world):
     v = new_version(world)
     completions, record = await under_load(fleet, lambda: fleet.activate(v), n=2)
     assert record.outcome == act.ROLLED_BACK and fleet.live_version == live
-    assert all(c.status == "completed" and set(c.versions) == {live} for c in completions)
+    assert all(c.status == "completed" and set(c.versions) == {live} for c in completions), \
+        [(c.engine_id, c.status, c.reason, c.message[:300], set(c.versions)) for c in completions]
     check_provenance(completions, world["refs"])
     await check_serves(servers, world["refs"], live)  # both keep generating on v-1
     for e in servers:

@@ -235,3 +235,23 @@ def test_a_restage_is_refused_while_the_dropped_thread_still_writes_the_shadow(s
     assert wait_state(ext, "staged", "failed")["state"] == "staged"
     ext.swap_apply()
     assert live_equals(model, v2)
+
+
+def test_a_late_drop_of_another_version_answers_instead_of_deadlocking(swap, tmp_path):
+    state = version_state(1)
+    sync = synchronizer(tmp_path, state)
+    sync.mark_stale()
+    sync.sync_weights()
+    ext, model = extension(swap, tmp_path, sync.plan)
+    ext.swap_stage(json.dumps({"version": 1}))
+    assert wait_state(ext, "staged", "failed")["state"] == "staged"
+    ext.swap_apply()
+    # A failed activation of version 2 drops it everywhere; this worker holds version 1 in its
+    # stager (idle): the drop must leave it alone and answer (a deadlock here froze the engine).
+    result: dict = {}
+    thread = threading.Thread(target=lambda: result.update(ext.swap_drop("2")), daemon=True)
+    thread.start()
+    thread.join(5)
+    assert not thread.is_alive(), "swap_drop deadlocked"
+    assert result["version"] == 1
+    sync.shutdown()
