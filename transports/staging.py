@@ -222,3 +222,13 @@ class ReplayPipeline:
             raise
         except TimeoutError as exc:
             raise TransportTimeoutError("replaying a bucket", self.timeout_s) from exc
+
+
+def materialize(plan: RefitPlan, state_dict, **pack_kwargs) -> dict[str, torch.Tensor]:
+    """Packs and stages in one process: the engine-side state dict `plan` produces. (Here, not
+    on the plan: the plan packs, staging replays; the plan never imports staging.)"""
+    staging = StagingArea(plan)
+    staging.begin(0)
+    for header, payload in plan.pack(state_dict, version=0, **pack_kwargs):
+        staging.accept(header, payload)
+    return staging.finish()

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Final
 import numpy as np
 
 from replay.query.ledger import CONSUMED, DISCARDED, Claim, Ledger, claims_of
+from replay.query.summary import ROLLOUT_DTYPES, RUN_DTYPES  # noqa: F401 - re-exported
 from replay.records import (
     ActivationRecord,
     Completed,
@@ -29,7 +30,7 @@ from replay.records import (
 )
 
 if TYPE_CHECKING:
-    from replay.query.sidecars import SegmentSummary
+    from replay.query.summary import SegmentSummary
 
 NOT_CONSUMED: Final = -1
 NOT_DISCARDED: Final = -1
@@ -93,14 +94,6 @@ class _Vocabulary:
             index = self._index[name] = len(self.names)
             self.names.append(name)
         return index
-
-
-# Per-rollout columns (consumed and discarded aside: they stay lists, later records change them).
-ROLLOUT_DTYPES: Final = {
-    "rollout_id": np.int64, "engine": np.int32, "status": np.int8, "detail": np.int32,
-    "dispatched": np.int64, "span_start": np.int64, "span_end": np.int64, "n_versions": np.int32,
-    "n_tokens": np.int64, "reward": np.float64}
-RUN_DTYPES: Final = {"seg_row": np.int64, "seg_version": np.int64, "seg_tokens": np.int64}
 
 
 class ColumnBuilder:

@@ -17,6 +17,7 @@ from transports.base import (
     RefitMismatchError,
     TruncatedBucketError,
 )
+from transports.staging import materialize
 from transports.refit.maps import FusedDenseMap, IdentityMap, Qwen3MoeFusedExpertsMap
 from transports.refit.plan import (
     Fp8BlockQuant,
@@ -100,7 +101,7 @@ def test_fused_dense_refit_reproduces_hf_exactly(qwen2_hf):
     trainer = name_map.load(hf)
     plan = RefitPlan.build(meta_of(trainer), name_map, wire_dtype=None, bucket_bytes=16 << 10)
     assert plan.bucket_count > 3  # several buckets, so the prefetching packer is exercised
-    assert_same_state_dict(plan.materialize(trainer), hf)
+    assert_same_state_dict(materialize(plan, trainer), hf)
 
 
 def test_bf16_wire_is_exact_for_bf16_values_and_keeps_fp32_tensors_exact(qwen2_hf):
@@ -114,13 +115,13 @@ def test_bf16_wire_is_exact_for_bf16_values_and_keeps_fp32_tensors_exact(qwen2_h
     assert wire["model.layers.0.self_attn.q_proj.weight"] == "bfloat16"
     assert wire["model.layers.0.input_layernorm.weight"] == "float32"
     assert wire["model.layers.0.self_attn.q_proj.bias"] == "float32"
-    assert_same_state_dict(plan.materialize(trainer), want)
+    assert_same_state_dict(materialize(plan, trainer), want)
 
 
 def test_bf16_wire_rounds_matrices(qwen2_hf):
     config, hf = qwen2_hf
     name_map = FusedDenseMap.from_hf_config(config)
-    got = RefitPlan.build(meta_of(name_map.load(hf)), name_map).materialize(name_map.load(hf))
+    got = materialize(RefitPlan.build(meta_of(name_map.load(hf)), name_map), name_map.load(hf))
     name = "model.layers.0.mlp.up_proj.weight"
     assert got[name].dtype == torch.float32  # cast back to the engine dtype on arrival
     assert not torch.equal(got[name], hf[name])
@@ -172,7 +173,7 @@ def test_fp8_block_quantization_is_replayed_on_arrival():
     info = plan.refit_info()
     assert info["w"] == ((200, 136), torch.float8_e4m3fn)
     assert info["w_scale_inv"] == ((2, 2), torch.float32)
-    got = plan.materialize({"w": weight})
+    got = materialize(plan, {"w": weight})
     restored = fp8_block_dequantize(got["w"], got["w_scale_inv"], (128, 128))
     assert (restored - weight).abs().max() <= weight.abs().max() * 0.07  # e4m3: 3 mantissa bits
 
@@ -189,7 +190,7 @@ def test_moe_fused_experts_refit_to_the_transformers_checkpoint(qwen3_moe):
     config, in_memory, checkpoint = qwen3_moe
     name_map = Qwen3MoeFusedExpertsMap.from_hf_config(config)
     plan = RefitPlan.build(meta_of(in_memory), name_map, wire_dtype=None, bucket_bytes=8 << 10)
-    assert_same_state_dict(plan.materialize(in_memory), checkpoint)
+    assert_same_state_dict(materialize(plan, in_memory), checkpoint)
 
 
 def test_moe_loader_is_the_inverse_of_refit(qwen3_moe):
@@ -205,7 +206,7 @@ def test_moe_input_major_layout_round_trips(qwen3_moe):
     assert trainer["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 32, 32)
     assert trainer["model.layers.1.mlp.experts.down_proj"].shape == (4, 16, 32)
     plan = RefitPlan.build(meta_of(trainer), name_map, wire_dtype=None, bucket_bytes=4 << 10)
-    assert_same_state_dict(plan.materialize(trainer), checkpoint)
+    assert_same_state_dict(materialize(plan, trainer), checkpoint)
 
 
 # -- staging validation -----------------------------------------------------------------------

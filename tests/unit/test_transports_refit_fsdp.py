@@ -35,6 +35,7 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
 
     from transports.refit.maps import IdentityMap
     from transports.refit.plan import RefitPlan
+    from transports.staging import materialize
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
@@ -51,7 +52,7 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
         meta = {k: (tuple(v.shape), v.dtype) for k, v in state.items()}  # DTensor: global shape
         plan = RefitPlan.build(meta, IdentityMap(), wire_dtype=None, bucket_bytes=32 << 10)
         # Every rank iterates the plan (full_tensor() is a collective); rank 0 is the sender.
-        got = plan.materialize(state)
+        got = materialize(plan, state)
         if rank == 0:
             torch.save({"got": got, "reference": reference, "sharded": sharded}, os.path.join(out_dir, "result.pt"))
     finally:

@@ -244,16 +244,6 @@ class RefitPlan:
                               kv_scales if k == 0 else None, attempt)
         return header, view[:nbytes]
 
-    def materialize(self, state_dict: Mapping[str, torch.Tensor], **pack_kwargs: Any) -> dict[str, torch.Tensor]:
-        """Packs and stages in one process: the engine-side state dict the plan produces."""
-        from transports.staging import StagingArea
-
-        staging = StagingArea(self)
-        staging.begin(0)
-        for header, payload in self.pack(state_dict, version=0, **pack_kwargs):
-            staging.accept(header, payload)
-        return staging.finish()
-
 
 class _Prefetched:
     """Runs `fill(k)` ahead on a thread, into `depth` arenas used in turn: the arena of bucket k
