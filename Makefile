@@ -42,7 +42,13 @@ model: $(STAMP)
 run: model
 	$(VENV)/bin/inflight run
 
-test: $(STAMP)
+# The tests also cover the optional JAX trainer (`.[jax]`); `make run` never installs it.
+JAX_STAMP := $(VENV)/.installed-jax
+$(JAX_STAMP): $(STAMP) pyproject.toml
+	$(PIP) install --quiet -e '.[test,jax]'
+	@touch $(JAX_STAMP)
+
+test: $(JAX_STAMP)
 	$(PY) -m pytest
 
 bench: $(STAMP)

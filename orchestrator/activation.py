@@ -12,7 +12,7 @@ It drives N engines from the live version to a staged one at one instant:
                         Resume(e) for every engine that was paused    (not with pause-free)
     all Resumed         Record(...)   and back to idle
 
-Every phase starts a timer (`StartTimer`); the performer answers with `Timeout(phase, token)`
+Every phase starts a timer (`StartTimer`); the performer answers with `Timeout(phase=..., token=...)`
 and the coordinator ignores timers of finished phases. Failures:
 
 * staging (`StageFailed`, `EngineDied`, or the staging timer): no engine activates;
@@ -66,6 +66,7 @@ from orchestrator.activation_messages import (  # noqa: F401 - the coordinator's
     Drain,
     Drained,
     DropStaged,
+    EngineAction,
     EngineDied,
     EngineOutcome,
     Event,
@@ -178,7 +179,7 @@ class ActivationCoordinator:
             return self._finish(at, FAILED, "no engine serves: all are fenced")
         self.runs = {e: _EngineRun() for e in participants}
         self.phase = STAGING
-        actions: list[Action] = [Stage(e, version=version, rollback=rollback) for e in participants]
+        actions: list[Action] = [Stage(engine=e, version=version, rollback=rollback) for e in participants]
         actions.append(self._timer(STAGING, self.timeouts.stage_s))
         return actions
 
@@ -191,8 +192,8 @@ class ActivationCoordinator:
         self.rejoining[engine] = "stage"
         self._rejoin_counter += 1
         self._rejoin_tokens[engine] = self._rejoin_counter
-        return [Stage(engine, version=self.live_version),
-                StartTimer(engine, phase="rejoin", token=self._rejoin_counter, seconds=self.timeouts.rejoin_s)]
+        return [Stage(engine=engine, version=self.live_version),
+                StartTimer(engine=engine, phase="rejoin", token=self._rejoin_counter, seconds=self.timeouts.rejoin_s)]
 
     def handle(self, event: Event) -> list[Action]:
         if event.engine is not None and event.engine in self.rejoining:
@@ -202,7 +203,7 @@ class ActivationCoordinator:
         if self.phase == IDLE or event.engine not in self.runs:
             if isinstance(event, EngineDied) and event.engine in self.engines and event.engine not in self.fenced:
                 self.fenced.add(event.engine)
-                return [Fence(event.engine, reason=f"died: {event.error}")]
+                return [Fence(engine=event.engine, reason=f"died: {event.error}")]
             return []  # late answer of a finished activation
         run = self.runs[event.engine]
         if run.failed:
@@ -245,13 +246,13 @@ class ActivationCoordinator:
             self.phase = DRAINING
             for run in self.runs.values():
                 run.step = "drain"
-            return [Drain(e) for e in self._live_runs()] + [self._timer(DRAINING, self.timeouts.drain_s)]
+            return [Drain(engine=e) for e in self._live_runs()] + [self._timer(DRAINING, self.timeouts.drain_s)]
         return self._after_drain(at)
 
     def _after_drain(self, at: float) -> list[Action]:
         actions: list[Action] = []
         if self.kv_policy == "abort":
-            actions += [AbortInflight(e) for e in self._live_runs()]
+            actions += [AbortInflight(engine=e) for e in self._live_runs()]
         if not self._live_runs():
             return actions + self._start_resume(at)
         if not self.pauses:
@@ -261,7 +262,7 @@ class ActivationCoordinator:
         clear = self.kv_policy != "keep"
         for e in self._live_runs():
             self.runs[e].step, self.runs[e].paused = "pause", True
-            actions.append(Pause(e, mode=mode, clear_cache=clear))
+            actions.append(Pause(engine=e, mode=mode, clear_cache=clear))
         actions.append(self._timer(PAUSING, self.timeouts.pause_s))
         return actions
 
@@ -275,7 +276,7 @@ class ActivationCoordinator:
         actions: list[Action] = []
         for e in self._live_runs():
             self.runs[e].step = "swap"
-            actions.append(Swap(e, version=self.version, rollback=self.rollback, between_steps=not self.pauses))
+            actions.append(Swap(engine=e, version=self.version, rollback=self.rollback, between_steps=not self.pauses))
         actions.append(self._timer(SWAPPING, self.timeouts.swap_s))
         return actions
 
@@ -283,10 +284,10 @@ class ActivationCoordinator:
         e = event.engine
         if isinstance(event, Swapped) and run.step == "swap" and event.version == self.version:
             run.step, run.requests = "fence_cache", dict(event.requests)
-            return [FenceCache(e)]
+            return [FenceCache(engine=e)]
         if isinstance(event, CacheFenced) and run.step == "fence_cache":
             run.step = "set_version"
-            return [SetVersion(e, version=self.version)]
+            return [SetVersion(engine=e, version=self.version)]
         if isinstance(event, VersionSet) and run.step == "set_version" and event.version == self.version:
             run.step = "applied"
             for rid, n in event.requests.items():
@@ -311,7 +312,7 @@ class ActivationCoordinator:
         for e in owed:
             if not self.runs[e].failed:
                 self.runs[e].step = "resume"
-        return [Resume(e) for e in owed] + [self._timer(RESUMING, self.timeouts.resume_s)]
+        return [Resume(engine=e) for e in owed] + [self._timer(RESUMING, self.timeouts.resume_s)]
 
     def _check_resumed(self, at: float) -> list[Action]:
         if self.phase != RESUMING:
@@ -335,7 +336,7 @@ class ActivationCoordinator:
             actions = self._abort_staging(at, f"{engine} {step} while staging: {error}")
             if step == "died" and engine not in self.fenced:
                 self.fenced.add(engine)
-                actions.insert(0, Fence(engine, reason=f"died: {error}"))
+                actions.insert(0, Fence(engine=engine, reason=f"died: {error}"))
             return actions
         return self._mark_failed(engine, step, error) + self._progress(at)
 
@@ -344,11 +345,11 @@ class ActivationCoordinator:
         run.failed = True
         self.messages.append(f"{engine} fenced ({step}: {error})")
         self.fenced.add(engine)
-        actions: list[Action] = [Fence(engine, reason=f"{step}: {error}")]
+        actions: list[Action] = [Fence(engine=engine, reason=f"{step}: {error}")]
         if step == "died":
             run.resumed = True  # nothing left to resume
         elif run.paused and not run.resumed and self.phase != RESUMING:
-            actions.append(Resume(engine))  # best effort: never leave an engine paused
+            actions.append(Resume(engine=engine))  # best effort: never leave an engine paused
         if step == "resume":
             run.resumed = True
         return actions
@@ -367,7 +368,7 @@ class ActivationCoordinator:
 
     def _abort_staging(self, at: float, message: str) -> list[Action]:
         self.messages.append(message)
-        actions: list[Action] = [DropStaged(e, version=self.version) for e in self.runs]
+        actions: list[Action] = [DropStaged(engine=e, version=self.version) for e in self.runs]
         return actions + self._finish(at, ROLLED_BACK, "; ".join(self.messages))
 
     def _on_timeout(self, event: Timeout) -> list[Action]:
@@ -398,7 +399,7 @@ class ActivationCoordinator:
                         r.failed = True
                         self.fenced.add(e)
                         self.messages.append(f"{e} fenced (resume timed out)")
-                        actions.append(Fence(e, reason="resume timed out"))
+                        actions.append(Fence(engine=e, reason="resume timed out"))
             return actions + self._conclude(at)
         # PAUSING or SWAPPING: engines that have not answered are fenced; the rest go on.
         want = {PAUSING: ("pause",), SWAPPING: ("swap", "fence_cache", "set_version")}[self.phase]
@@ -415,35 +416,35 @@ class ActivationCoordinator:
             if event.phase != "rejoin" or event.token != self._rejoin_tokens.get(e):
                 return []
             del self.rejoining[e]
-            return [DropStaged(e, version=self.live_version), Resume(e)]
+            return [DropStaged(engine=e, version=self.live_version), Resume(engine=e)]
         if isinstance(event, (StageFailed, StepFailed, EngineDied)):
             del self.rejoining[e]
-            return [DropStaged(e, version=self.live_version), Resume(e)]
+            return [DropStaged(engine=e, version=self.live_version), Resume(engine=e)]
         if step == "stage" and isinstance(event, Staged):
             if event.version != self.live_version:  # the fleet moved on meanwhile: stage again
-                return [Stage(e, version=self.live_version)]
+                return [Stage(engine=e, version=self.live_version)]
             self.rejoining[e] = "pause"
-            return [Pause(e, mode="abort", clear_cache=True)]
+            return [Pause(engine=e, mode="abort", clear_cache=True)]
         if step == "pause" and isinstance(event, Paused):
             self.rejoining[e] = "swap"
             self._rejoin_version[e] = self.live_version
-            return [Swap(e, version=self.live_version)]
+            return [Swap(engine=e, version=self.live_version)]
         if step == "swap" and isinstance(event, Swapped):
             self.rejoining[e] = "fence_cache"
-            return [FenceCache(e)]
+            return [FenceCache(engine=e)]
         if step == "fence_cache" and isinstance(event, CacheFenced):
             self.rejoining[e] = "set_version"
-            return [SetVersion(e, version=self._rejoin_version[e])]
+            return [SetVersion(engine=e, version=self._rejoin_version[e])]
         if step == "set_version" and isinstance(event, VersionSet):
             self.rejoining[e] = "resume"
-            return [Resume(e)]
+            return [Resume(engine=e)]
         if step == "resume" and isinstance(event, Resumed):
             if self._rejoin_version[e] != self.live_version:  # the fleet moved on meanwhile
                 self.rejoining[e] = "stage"
-                return [Stage(e, version=self.live_version)]
+                return [Stage(engine=e, version=self.live_version)]
             del self.rejoining[e]
             self.fenced.discard(e)
-            return [Unfence(e, version=self.live_version)]
+            return [Unfence(engine=e, version=self.live_version)]
         return []
 
     # -- helpers -----------------------------------------------------------------------------
@@ -455,7 +456,7 @@ class ActivationCoordinator:
 
     def _timer(self, phase: str, seconds: float) -> StartTimer:
         self._token += 1
-        return StartTimer(None, phase=phase, token=self._token, seconds=seconds)
+        return StartTimer(engine=None, phase=phase, token=self._token, seconds=seconds)
 
     def _finish(self, at: float, outcome: str, message: str) -> list[Action]:
         engines = []
@@ -468,9 +469,9 @@ class ActivationCoordinator:
                 eo = ACTIVATED
             transfer = max(0.0, (r.staged_at or at) - self.started_at) if r.staged_at else 0.0
             pause = max(0.0, (r.resumed_at or at) - r.paused_at) if r.paused_at is not None else 0.0
-            engines.append(EngineOutcome(e, eo, transfer, pause, dict(r.requests)))
+            engines.append(EngineOutcome(engine=e, outcome=eo, transfer_s=transfer, pause_s=pause, swapped_requests=dict(r.requests)))
         carried = (self.kv_policy == "keep" or self._kv_kept) and outcome in (ACTIVATED, ENGINE_FENCED)
-        record = Record(None, version=self.version if self.version is not None else -1, outcome=outcome,
+        record = Record(version=self.version if self.version is not None else -1, outcome=outcome,
                         engines=tuple(engines), strategy=self.strategy, kv_policy=self.kv_policy,
                         kv_carried=carried, message=message, at=at)
         self.history.append(record)

@@ -37,8 +37,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     commands.register(sub, bench_sub)
     replay_cli.register(sub, bench_sub)
-    transports_cli.register(sub, bench_sub)
+    transports_cli.register(sub, bench_sub, end_to_end=_bench_end_to_end)
     return parser
+
+
+def _bench_end_to_end(names, model=None):
+    """`inflight bench transports --end-to-end`: handed to `transports.cli` (which never imports
+    `orchestrator`); imports the engines only when run."""
+    from orchestrator.bench_end_to_end import run_end_to_end
+
+    return run_end_to_end(names, model=model)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

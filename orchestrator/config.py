@@ -165,6 +165,22 @@ class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # How long the orchestrator waits for the trainer to start and for one step.
     start_timeout_s: float = 120.0
     step_timeout_s: float = 600.0
+    # Trainer ranks on this host. 1: one process. N > 1: `torchrun --nproc-per-node N`, the model
+    # sharded with FSDP2 (fully_shard) over gloo on CPU (NCCL on GPU); rank 0 speaks the link.
+    world_size: int = 1
+    # Extra torchrun flags, e.g. ["--nnodes=2", "--node-rank=0", "--master-addr=HOST",
+    # "--master-port=29500"] to span hosts (docs/trainer.md); a list also starts torchrun when
+    # world_size = 1. --nproc-per-node is world_size's.
+    torchrun_args: list[str] = []
+    # Publishing packs the weights into buckets of at most this many bytes (a larger tensor
+    # travels alone): the trainer's extra memory while it publishes stays within two buckets
+    # plus the largest tensor, on every rank.
+    bucket_bytes: int = 64 << 20
+
+    @property
+    def torchrun(self) -> bool:
+        """Started under torchrun (several ranks, or torchrun flags given)."""
+        return self.world_size > 1 or bool(self.torchrun_args)
 
     def validate(self) -> TrainerConfig:
         for name in ("lr", "is_cap", "ppo_clip", "icepop_high", "start_timeout_s", "step_timeout_s"):
@@ -177,6 +193,34 @@ class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 raise ConfigError(f"trainer.{name}", f"must be >= 1, got {getattr(self, name)}")
         if self.grad_clip < 0 or self.weight_decay < 0:
             raise ConfigError("trainer.grad_clip" if self.grad_clip < 0 else "trainer.weight_decay", "must be >= 0")
+        if self.world_size < 1:
+            raise ConfigError("trainer.world_size", f"must be >= 1, got {self.world_size}")
+        if self.bucket_bytes < 1:
+            raise ConfigError("trainer.bucket_bytes", f"must be >= 1, got {self.bucket_bytes}")
+        for i, arg in enumerate(self.torchrun_args):
+            flag = arg.split("=", 1)[0].replace("_", "-")
+            if flag in ("--nproc-per-node", "-m", "--module", "--no-python"):
+                raise ConfigError(f"trainer.torchrun_args[{i}]",
+                                  f"{arg!r} is set by the launcher (ranks per host: trainer.world_size)")
+            if not arg.startswith("-"):
+                raise ConfigError(f"trainer.torchrun_args[{i}]",
+                                  f"{arg!r} is not a flag: write each as --name=value")
+            if flag == "--node-rank" and arg.split("=", 1)[1:] != ["0"]:
+                raise ConfigError(f"trainer.torchrun_args[{i}]",
+                                  f"{arg!r}: the orchestrator's host is node 0 (its rank 0 speaks the link on "
+                                  "127.0.0.1); the other hosts run the logged trainer.command with their own "
+                                  "--node-rank")
+            if flag == "--max-restarts" and arg.split("=", 1)[1:] != ["0"]:
+                # A restarted rank 0 would greet the orchestrator's link with a second Ready in the
+                # middle of the run; the run resumes instead (`inflight run --resume`).
+                raise ConfigError(f"trainer.torchrun_args[{i}]",
+                                  f"{arg!r}: torchrun must not restart the trainer's ranks (a failed trainer "
+                                  "stops the run, which then resumes from its checkpoint)")
+        flags = {a.split("=", 1)[0].replace("_", "-"): a.split("=", 1)[1:] for a in self.torchrun_args}
+        if flags.get("--nnodes", ["1"]) != ["1"] and not flags.keys() & {"--master-addr", "--rdzv-endpoint"}:
+            # Without one, the launcher's rendezvous is 127.0.0.1: no other host could join it.
+            raise ConfigError("trainer.torchrun_args", "--nnodes other than 1 needs --master-addr (or "
+                                                       "--rdzv-endpoint): the address the other hosts reach")
         return self
 
 

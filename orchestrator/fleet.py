@@ -5,6 +5,7 @@ sampled it.
 
     fleet = Fleet(engines, strategy="double_buffer", kv_policy="recompute")
     await fleet.setup(plan_json, root)          # swap_init on every worker (transports.swap)
+    # or, any transport: await fleet.setup(plan_json, transport="http", engine_options={id: {...}})
     completion = await fleet.generate(prompt_ids, sampling)   # routed to a serving engine
     record = await fleet.activate(version)      # stage -> pause -> swap -> fence -> label -> resume
 
@@ -33,6 +34,7 @@ from orchestrator.rollouts import (  # noqa: F401 - re-exported: the fleet's req
     ENGINE_REQUEST_PREFIX,
     FleetCompletion,
     RolloutStreams,
+    SwitchReport,
     Track,
     fleet_request_id,
     version_salt,
@@ -69,6 +71,13 @@ class Fleet(RolloutStreams):
         self._paused: set[str] = set()
         self._stage_source: dict = {}
         self.last_stall: dict[str, float] = {}
+        # engine -> the swap report its ending rollouts wait for (see `SwitchReport`)
+        self._reports_due: dict[str, SwitchReport] = {}
+        # Prefix-cache salts during an activation (see `RolloutStreams._cache_salt`): engines
+        # whose weights may change before a request sent now is scheduled, and the version an
+        # engine was labelled with before the fleet's live version moved.
+        self._salt_unsettled: set[str] = set()
+        self._salt_version: dict[str, int] = {}
 
     @classmethod
     def from_config(cls, engines: Sequence[Engine], config, **kwargs) -> Fleet:
@@ -89,12 +98,28 @@ class Fleet(RolloutStreams):
     def worker_strategy(self) -> str:
         return "pause_swap" if self.strategy == "pause_swap" else "double_buffer"
 
-    async def setup(self, plan_json: str, root: str, timeout_s: float = 60.0, **extra) -> None:
-        cfg = json.dumps({"plan": plan_json, "root": str(root), "strategy": self.worker_strategy(),
-                          "timeout_s": timeout_s, "live_version": self.live_version, **extra})
+    async def setup(self, plan_json: str, root: str | None = None, timeout_s: float = 60.0, *,
+                    transport: str = "filesystem", engine_options: dict[str, dict] | None = None,
+                    **extra) -> None:
+        """`swap_init` on every worker. `transport`: which transport's receiver stages versions
+        (filesystem: `root`; collective, ipc, http: `engine_options[engine_id]`, exactly the
+        `options` of the trainer's `engine_init_info(i)` for that engine). Calling it again with
+        the same options keeps each worker's receiver (a collective group stays formed); new
+        options (a trainer that reconnected) rebuild it."""
+        if transport != "filesystem":
+            missing = sorted(set(self.engines) - set(engine_options or {}))
+            if missing:
+                raise ValueError(f"setup: transport {transport!r} needs engine_options for {missing}")
+        elif root is None:
+            raise ValueError("setup: the filesystem transport needs root")
+        base = {"plan": plan_json, "root": None if root is None else str(root), "strategy": self.worker_strategy(),
+                "timeout_s": timeout_s, "live_version": self.live_version, "transport": transport, **extra}
         async with anyio.create_task_group() as tg:
-            for engine in self.engines.values():
-                tg.start_soon(self._rpc, engine, "swap_init", cfg)
+            for engine_id, engine in self.engines.items():
+                cfg = dict(base)
+                if engine_options is not None and engine_id in engine_options:
+                    cfg["options"] = engine_options[engine_id]
+                tg.start_soon(self._rpc, engine, "swap_init", json.dumps(cfg))
 
     async def _rpc(self, engine: Engine, method: str, arg: str | None = None, timeout: float | None = None) -> dict:
         """Call a swap method on every worker of `engine`. Every worker's answer counts: under
@@ -117,9 +142,9 @@ class Fleet(RolloutStreams):
         if engine_id in self.coordinator.fenced:
             return
         if self._events is not None:
-            await self._events.send(act.EngineDied(engine_id, time.monotonic(), error=error))
+            await self._events.send(act.EngineDied(engine=engine_id, at=time.monotonic(), error=error))
             return
-        for a in self.coordinator.handle(act.EngineDied(engine_id, time.monotonic(), error=error)):
+        for a in self.coordinator.handle(act.EngineDied(engine=engine_id, at=time.monotonic(), error=error)):
             if isinstance(a, act.Fence):
                 self._fence(a.engine, a.reason)
 
@@ -127,7 +152,8 @@ class Fleet(RolloutStreams):
     async def activate(self, version: int, *, rollback: bool = False, source: dict | None = None) -> act.Record:
         """Drive one activation to its record. Never leaves an engine paused. `source` goes to
         the workers' `swap_stage` (e.g. {"base_dir": ..., "lora_dir": ...} for a LoRA adapter);
-        by default each stages the committed `version` from the filesystem transport."""
+        by default each stages `version` from the transport given to `setup` (filesystem: the
+        committed version; a push transport: what the trainer's `sync_weights()` sends)."""
         async with self._activation_lock:
             return await self._activate(version, rollback, source)
 
@@ -146,6 +172,8 @@ class Fleet(RolloutStreams):
                 tg.cancel_scope.cancel()  # stragglers (a hung stage) and timers; drops are shielded
         finally:
             self._events = None
+            self._release_reports()
+            self._settle_salts()
             await self._resume_leftovers()
             for gate in self._gates.values():
                 gate.set()
@@ -171,7 +199,7 @@ class Fleet(RolloutStreams):
 
     async def _timer(self, timer: act.StartTimer, send) -> None:
         await anyio.sleep(timer.seconds)
-        await send.send(act.Timeout(timer.engine, time.monotonic(), phase=timer.phase, token=timer.token))
+        await send.send(act.Timeout(engine=timer.engine, at=time.monotonic(), phase=timer.phase, token=timer.token))
 
     async def _perform_all(self, engine_id: str, actions: list[act.Action], send) -> None:
         for a in actions:
@@ -197,7 +225,7 @@ class Fleet(RolloutStreams):
                 self._gates.setdefault(e, anyio.Event())
                 while any(t.engine == e for t in self.tracks.values()):
                     await anyio.sleep(self.ft.poll_s)
-                return act.Drained(e, now())
+                return act.Drained(engine=e, at=now())
             if isinstance(a, act.AbortInflight):
                 for t in list(self.tracks.values()):
                     if t.engine == e:
@@ -206,31 +234,45 @@ class Fleet(RolloutStreams):
                 return None
             if isinstance(a, act.Pause):
                 self._paused.add(e)
+                self._salt_unsettled.add(e)
                 for t in self.tracks.values():
                     if t.engine == e:
                         t.aborted_by_activation = a.mode == "abort"
                 await engine.pause(a.mode, a.clear_cache)
-                return act.Paused(e, now())
+                return act.Paused(engine=e, at=now())
             if isinstance(a, act.Swap):
+                # From here until the fleet holds this swap's report, a rollout on this engine
+                # that ends waits for it: the worker may swap, and the rollout finish (its stream
+                # ended), before the report comes back; its later tokens carry the old label.
+                self._reports_due.setdefault(e, SwitchReport(between_steps=a.between_steps))
+                self._salt_unsettled.add(e)
                 arg = json.dumps({"watch": a.between_steps})
                 result = await self._rpc(engine, "swap_rollback" if a.rollback else "swap_apply", arg)
                 requests = {fleet_request_id(k): int(v) for k, v in (result.get("requests") or {}).items()}
                 self._note_switch(e, a.version, requests)
-                return act.Swapped(e, now(), version=a.version, requests=requests)
+                if not a.between_steps:
+                    self._release_reports(e, reported=True)
+                return act.Swapped(engine=e, at=now(), version=a.version, requests=requests)
             if isinstance(a, act.FenceCache):
                 await engine.reset_prefix_cache()
-                return act.CacheFenced(e, now())
+                return act.CacheFenced(engine=e, at=now())
             if isinstance(a, act.SetVersion):
                 await engine.set_weight_version(a.version)
+                self._salt_version[e] = a.version
+                self._salt_unsettled.discard(e)
                 requests: dict[str, int] = {}
                 if self.strategy == "pause_free":
+                    # The confirm names the requests first scheduled between the flip and the
+                    # label (on the new weights, labelled old): the second half of the report.
                     result = await self._rpc(engine, "swap_confirm")
                     requests = {fleet_request_id(k): int(v) for k, v in (result.get("requests") or {}).items()}
                     self._note_switch(e, a.version, requests)
-                return act.VersionSet(e, now(), version=a.version, requests=requests)
+                    self._note_prompt_cache(e, a.version, result.get("cached") or {})
+                    self._release_reports(e, reported=True)
+                return act.VersionSet(engine=e, at=now(), version=a.version, requests=requests)
             if isinstance(a, act.Resume):
                 await self._resume(engine)
-                return act.Resumed(e, now())
+                return act.Resumed(engine=e, at=now())
             if isinstance(a, act.Fence):
                 self._fence(e, a.reason)
                 return None
@@ -238,14 +280,41 @@ class Fleet(RolloutStreams):
                 log.info("fleet.unfenced", engine=e, version=a.version)
                 return None
         except EngineDeadError as exc:
-            return act.EngineDied(e, now(), error=str(exc))
+            return act.EngineDied(engine=e, at=now(), error=str(exc))
         except (EngineError, RuntimeError, ValueError, OSError) as exc:
             step = {act.Pause: "pause", act.Swap: "swap", act.FenceCache: "fence_cache",
                     act.SetVersion: "set_version", act.Resume: "resume", act.Drain: "drain"}.get(type(a), "stage")
             if isinstance(a, act.Stage):
-                return act.StageFailed(e, now(), version=a.version, error=str(exc))
-            return act.StepFailed(e, now(), step=step, error=f"{type(exc).__name__}: {exc}")
+                return act.StageFailed(engine=e, at=now(), version=a.version, error=str(exc))
+            return act.StepFailed(engine=e, at=now(), step=step, error=f"{type(exc).__name__}: {exc}")
         return None
+
+    def _settle_salts(self) -> None:
+        """The activation ended: every engine serves (or is fenced from) the live version."""
+        self._salt_unsettled.clear()
+        self._salt_version.clear()
+
+    def _release_reports(self, engine_id: str | None = None, reported: bool = False) -> None:
+        """Wake the rollouts waiting for an engine's swap report (every engine's: the
+        activation ended, whether or not each report came)."""
+        for e in [engine_id] if engine_id is not None else list(self._reports_due):
+            due = self._reports_due.pop(e, None)
+            if due is not None:
+                due.reported = reported
+                due.arrived.set()
+
+    def _note_prompt_cache(self, engine_id: str, version: int, cached: dict[str, int]) -> None:
+        """Requests first scheduled after a pause-free flip that took prompt keys/values from
+        the prefix cache under a salt that was not the new version's: those blocks may have
+        been computed before the flip or after it, so which weights computed the prompt is
+        unknown (`version_unknown`). A salt of the new version (or a request's own) cannot
+        have matched blocks of the old weights."""
+        for worker_rid, n in cached.items():
+            track = self.tracks.get(fleet_request_id(worker_rid))
+            if track is not None and track.engine == engine_id and int(n) > 0 \
+                    and track.salt == version_salt(track.dispatched_version) \
+                    and track.dispatched_version != version:
+                track.prompt_unknown = int(n)
 
     def _note_switch(self, engine_id: str, version: int, requests: dict[str, int]) -> None:
         for rid, k in requests.items():
@@ -262,9 +331,9 @@ class Fleet(RolloutStreams):
         if a.rollback:
             state = await self._rpc(engine, "swap_live_version")
             if state.get("shadow") is None:
-                return act.StageFailed(engine.engine_id, time.monotonic(), version=a.version,
+                return act.StageFailed(engine=engine.engine_id, at=time.monotonic(), version=a.version,
                                        error="no previous version to roll back to")
-            return act.Staged(engine.engine_id, time.monotonic(), version=a.version)
+            return act.Staged(engine=engine.engine_id, at=time.monotonic(), version=a.version)
         source = self._stage_source if a.engine not in self.coordinator.rejoining else {}
         # No attempt: the worker stages the committed version (its COMPLETE marker and the attempt
         # written there), whichever try of the trainer's synchronizer committed it.
@@ -272,9 +341,9 @@ class Fleet(RolloutStreams):
         while True:
             status = await self._rpc(engine, "swap_status")
             if status.get("version") == a.version and status.get("state") == "staged":
-                return act.Staged(engine.engine_id, time.monotonic(), version=a.version)
+                return act.Staged(engine=engine.engine_id, at=time.monotonic(), version=a.version)
             if status.get("state") == "failed":
-                return act.StageFailed(engine.engine_id, time.monotonic(), version=a.version,
+                return act.StageFailed(engine=engine.engine_id, at=time.monotonic(), version=a.version,
                                        error=str(status.get("error")))
             await anyio.sleep(self.ft.poll_s)
 
@@ -338,6 +407,8 @@ class Fleet(RolloutStreams):
                     pending = coord.handle(await recv.receive())
                 tg.cancel_scope.cancel()
         finally:
+            self._release_reports()
+            self._settle_salts()
             await self._resume_leftovers()
         return done
 

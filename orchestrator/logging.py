@@ -14,7 +14,9 @@ def configure_logging(fmt: str = "auto", level: str = "info") -> None:
     structlog.configure(
         processors=_processors(renderer),
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        # sys.stderr as it is when each event is logged, not when this ran: a stream replaced
+        # meanwhile (and closed, as pytest's capture does) must not keep receiving events.
+        logger_factory=lambda *args: structlog.PrintLogger(file=sys.stderr),
         cache_logger_on_first_use=False,
     )
 
@@ -36,14 +38,14 @@ def get_logger(name: str) -> structlog.stdlib.BoundLogger:
 class _TeeLogger:
     """JSON lines to a file (every event); warnings and errors also to stderr."""
 
-    def __init__(self, file, stderr) -> None:
-        self._file, self._stderr = file, stderr
+    def __init__(self, file) -> None:
+        self._file = file
 
     def _write(self, message: str, loud: bool) -> None:
         self._file.write(message + "\n")
         self._file.flush()
         if loud:
-            print(message, file=self._stderr, flush=True)
+            print(message, file=sys.stderr, flush=True)  # as it is now (see configure_logging)
 
     def debug(self, message: str) -> None:
         self._write(message, False)
@@ -60,7 +62,7 @@ def log_to_file(path, level: str = "info") -> None:
     """`inflight run`: the structured log goes to RUN_DIR/orchestrator.jsonl as JSON lines (the
     terminal shows the progress display; only warnings and errors reach stderr)."""
     handle = open(path, "a", encoding="utf-8")  # noqa: SIM115 - open for the life of the process
-    logger = _TeeLogger(handle, sys.stderr)
+    logger = _TeeLogger(handle)
     structlog.configure(
         processors=_processors(structlog.processors.JSONRenderer()),
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),

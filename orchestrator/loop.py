@@ -180,6 +180,9 @@ class RunLoop:
                     ctx.prompt_token_ids, self.run.sampling, engine_id=d.engine,
                     request_id=request_id(d.rollout_id), redispatch=False, final_only=True)
             except (EngineError, ActivationError) as exc:  # fenced before it started, or no engine left
+                # Tell the scheduler first: its retry of this group must not choose the fenced
+                # engine again (least loaded, it would be chosen at once: a hot loop of errors).
+                self._engines_fenced()
                 self._finished(d, None, "errored", "engine_fenced", str(exc))
                 return
             if completion.status == "completed":
@@ -206,6 +209,16 @@ class RunLoop:
             # Cancelled (shutdown past its grace): the scheduler already chose the drop reason.
             self._finished(d, completion, "aborted")
             raise
+
+    def _engines_fenced(self) -> None:
+        """Every engine the fleet fenced is down for the scheduler (an engine can be fenced
+        by an activation that was rolled back, or by a death seen during staging); with none
+        left serving, the run stops."""
+        coordinator = self.run.fleet.coordinator
+        for engine in coordinator.fenced:
+            self.handle(sch.EngineDown(engine=engine))
+        if not coordinator.serving:
+            self.request_stop("no engine serves", failure="every engine died or was fenced")
 
     def _finished(self, d: sch.Dispatch, completion, outcome: str, kind: str = "", message: str = "") -> None:
         if d.rollout_id not in self.run.scheduler.rollouts:
@@ -332,6 +345,7 @@ class RunLoop:
             for eo in record.engines:
                 if eo.outcome == "engine_fenced":
                     self.handle(sch.EngineDown(engine=eo.engine))
+            self._engines_fenced()  # also those fenced by a rolled-back activation
             if record.outcome in ("activated", "engine_fenced"):
                 failures = 0
                 self.run.metrics.live_version.set(version)

@@ -45,6 +45,17 @@ def version_salt(version: int) -> str:
 
 
 @dataclass
+class SwitchReport:
+    """A swap report an engine owes the fleet: set once its requests (and, for a flip
+    between steps, the confirm's) are noted on the tracks, or once the activation ended
+    without it (`reported` False)."""
+
+    between_steps: bool
+    arrived: anyio.Event = field(default_factory=anyio.Event)
+    reported: bool = False
+
+
+@dataclass
 class Track:
     request_id: str
     engine: str
@@ -57,6 +68,10 @@ class Track:
     fenced: bool = False
     kv_mode: str = "recompute"  # "keep" when a swap left its old keys/values in place
     first_token_at: float | None = None
+    salt: str = ""  # the prefix-cache salt it was sent with
+    # > 0: that many prompt tokens came from the prefix cache under weights not known (see
+    # `Fleet._note_prompt_cache`)
+    prompt_unknown: int = 0
 
 
 @dataclass
@@ -96,6 +111,15 @@ class FleetCompletion:
         return out
 
 
+def spans_cover(spans, n: int) -> bool:
+    """Whether the engine's version spans label exactly tokens 0..n, contiguously."""
+    if not spans:
+        return False
+    covered = [s for s in spans if s.end > s.start]
+    return bool(covered) and covered[0].start == 0 and spans[-1].end == n and all(
+        a.end == b.start for a, b in zip(spans, spans[1:]))
+
+
 def change_points(spans, n: int, dispatched_version: int, switches: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """Per-token versions of n tokens as change points: the engine's spans (or the dispatched
     version when it reported none or inconsistent ones), raised at each switch the activation
@@ -103,11 +127,8 @@ def change_points(spans, n: int, dispatched_version: int, switches: list[tuple[i
     if n == 0:
         return []
     base: list[tuple[int, int]] = [(0, dispatched_version)]
-    if spans:
-        covered = [(s.start, s.version) for s in spans if s.end > s.start]
-        if covered and covered[0][0] == 0 and spans[-1].end == n and all(
-                a.end == b.start for a, b in zip(spans, spans[1:])):
-            base = covered
+    if spans_cover(spans, n):
+        base = [(s.start, s.version) for s in spans if s.end > s.start]
     if not switches:
         return _compress(base)
     bounds = sorted({s for s, _ in base} | {k for k, _ in switches if k < n})
@@ -129,7 +150,8 @@ def _compress(points: list[tuple[int, int]]) -> list[tuple[int, int]]:
 
 class RolloutStreams:
     """Mixed into `Fleet`: requires `engines`, `coordinator`, `ft`, `tracks`, `completions`,
-    `_gates`, `_paused`, `_deferred_aborts`, `_rr` and `live_version`."""
+    `_gates`, `_paused`, `_deferred_aborts`, `_reports_due`, `_salt_unsettled`, `_salt_version`,
+    `_rr` and `live_version`."""
 
     def _pick(self, engine_id: str | None) -> str:
         serving = self.coordinator.serving
@@ -182,11 +204,8 @@ class RolloutStreams:
         try:
             with anyio.CancelScope() as scope:
                 track.cancel = scope
-                # Salted with the dispatched version: a new request never reuses keys/values
-                # cached under older weights, even where vLLM cannot reset the prefix cache
-                # (blocks held by running requests under `keep` or the pause-free flip).
-                async for chunk in engine.generate(rid, prompt_token_ids, sampling,
-                                                   cache_salt=version_salt(track.dispatched_version), **kwargs):
+                track.salt = self._cache_salt(target, rid, track)
+                async for chunk in engine.generate(rid, prompt_token_ids, sampling, cache_salt=track.salt, **kwargs):
                     # The per-chunk work is kept to list extends: it runs for every chunk of
                     # every rollout in flight (inflight bench orchestrator measures it).
                     ids = chunk.token_ids
@@ -198,10 +217,21 @@ class RolloutStreams:
                         track.n_tokens += len(ids)  # progress, readable while it streams
                     if chunk.finished:
                         finish, spans = chunk.finish_reason, chunk.version_spans
-            if scope.cancelled_caught or track.fenced:
+            fenced = scope.cancelled_caught or track.fenced
+            reported = fenced or await self._switch_reported(track)
+            if fenced:
                 status, reason = "errored", "engine_fenced"
             elif finish == "abort":
                 status, reason = "dropped", "aborted"
+            elif not reported:
+                status, reason = "errored", "version_unknown"
+                message = (f"{target} flipped weights between steps while this rollout ran and the "
+                           "activation ended without reporting where: its tokens' versions are unknown")
+            elif track.prompt_unknown:
+                status, reason = "errored", "version_unknown"
+                message = (f"first scheduled on {target} after a pause-free flip, it took "
+                           f"{track.prompt_unknown} prompt tokens from the prefix cache under salt "
+                           f"{track.salt!r}: computed before the flip or after it, unknown")
             elif len(logprobs) != len(tokens):
                 # Never invent a logprob: a completion without them is not a usable sample.
                 status, reason = "errored", "missing_logprobs"
@@ -224,9 +254,14 @@ class RolloutStreams:
             raise
         finally:
             self.tracks.pop(rid, None)
+        if tokens and not spans_cover(spans, len(tokens)):
+            # The per-token versions then fall back to the dispatched one (raised by the swaps'
+            # reports): say so, since that is the fleet's inference, not the engine's label.
+            log.warning("fleet.version_spans_missing", request=rid, engine=target, tokens=len(tokens),
+                        spans=[(s.version, s.start, s.end) for s in spans or ()], switches=track.switches)
         changes = change_points(spans, len(tokens), track.dispatched_version, track.switches)
         carried = track.kv_mode == "keep" and any(k < len(tokens) for k, _v in track.switches)
-        if status == "errored" and reason == "missing_logprobs":
+        if status == "errored" and reason in ("missing_logprobs", "version_unknown"):
             tokens, logprobs, changes = [], [], []
         completion = FleetCompletion(rid, target, list(prompt_token_ids), tokens, logprobs, changes,
                                      track.dispatched_version, carried, status, reason, finish,
@@ -234,6 +269,30 @@ class RolloutStreams:
                                      finished_at=time.time(), message=message)
         self.completions.append(completion)
         return completion
+
+    def _cache_salt(self, engine_id: str, rid: str, track: Track) -> str:
+        """The request's prefix-cache salt: the version of the weights it will run under, so a
+        new request never reuses keys/values cached under other weights, even where vLLM cannot
+        reset the prefix cache (blocks held by running requests under `keep` or the pause-free
+        flip). While an activation pauses or swaps the engine that version is not known (the
+        request may be scheduled on either side of the swap): then a salt of its own, shared
+        with no other request. Once the engine is labelled with the new version, that version,
+        though the fleet's live version moves only when every engine has it."""
+        if engine_id in self._salt_unsettled:
+            return f"{version_salt(track.dispatched_version)}-{rid}"
+        return version_salt(self._salt_version.get(engine_id, track.dispatched_version))
+
+    async def _switch_reported(self, track: Track) -> bool:
+        """Wait (bounded) for the swap report its engine owes, if any: the rollout's stream may
+        end before the report of a swap it crossed comes back, and its per-token versions need
+        it. False when a flip between steps went unreported (its later tokens' versions are then
+        unknown); a missing report of a swap under pause cannot concern tokens already streamed."""
+        due = self._reports_due.get(track.engine)
+        if due is None:
+            return True
+        with anyio.move_on_after(self.ft.rpc_s * 2):
+            await due.arrived.wait()
+        return due.reported or not due.between_steps
 
     def _versions(self, track: Track, spans, n: int) -> list[int]:
         """One version per token (see `change_points`)."""

@@ -50,3 +50,24 @@ async def server_engine(tiny_model_dir, engine_log_dir):
     await engine.start()
     yield engine
     await engine.shutdown()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_vllm_state_leaks_between_modules():
+    """An in-process vLLM engine (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, the `uni` executor) leaves
+    the pytest process's model-parallel groups initialized after it is gone, and a module that
+    sets that variable leaves it set. The next module that builds a vLLM model in this process
+    (another architecture: an MoE model needs an expert-parallel group a dense one never made)
+    would then find stale groups. Each module starts from what the session had."""
+    saved = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    yield
+    if saved is None:
+        os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    else:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = saved
+    import sys
+
+    ps = sys.modules.get("vllm.distributed.parallel_state")
+    if ps is not None and ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+        ps.destroy_distributed_environment()

@@ -1,5 +1,6 @@
 """Helpers shared by tests (one copy of each): a free TCP port, every safetensors file of a
-directory, a raw HTTP exchange over a socket."""
+directory, a raw HTTP exchange over a socket, a sender that damages buckets on their way
+out (fault injection), and a two-layer model's versions with their refit plan (staging tests)."""
 
 from __future__ import annotations
 
@@ -38,3 +39,76 @@ def raw_http(host: str, port: int, request: bytes, timeout_s: float = 5.0) -> tu
     if not data.startswith(b"HTTP/"):
         return 0, data
     return int(data.split(b" ", 2)[1]), data
+
+
+class CorruptingSender:
+    """Wraps a real bucket sender and damages the first bucket of every version on its way out,
+    after its checksums were computed (fault injection). `fault`:
+
+    * "checksum" (default): flips bits (`mask`) of bucket 0's first byte of tensor 0;
+    * "shape" / "dtype": the header lies about tensor 0's shape (reversed) or dtype (float16);
+    * "missing": the header leaves tensor 0 out;
+    * "truncated": the payload stops 4 bytes into the last tensor.
+    """
+
+    def __init__(self, inner, fault: str = "checksum", mask: int = 0x10):
+        self.inner, self.fault, self.mask = inner, fault, mask
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def send(self, header, payload):
+        if header.index == 0:
+            header, payload = self.damage(header, payload)
+        self.inner.send(header, payload)
+
+    def damage(self, header, payload):
+        import msgspec
+
+        first = header.tensors[0]
+        if self.fault == "shape":
+            header = msgspec.structs.replace(
+                header, tensors=(msgspec.structs.replace(first, shape=tuple(reversed(first.shape))),) + header.tensors[1:])
+        elif self.fault == "dtype":
+            header = msgspec.structs.replace(
+                header, tensors=(msgspec.structs.replace(first, dtype="float16"),) + header.tensors[1:])
+        elif self.fault == "missing":
+            header = msgspec.structs.replace(header, tensors=header.tensors[1:])
+        elif self.fault == "truncated":
+            payload = payload[: header.tensors[-1].offset + 4]
+        elif self.fault == "checksum":
+            damaged = bytearray(payload)
+            damaged[first.offset] ^= self.mask
+            payload = memoryview(damaged)
+        else:
+            raise ValueError(f"unknown fault {self.fault!r}")
+        return header, payload
+
+
+def tiny_model():
+    """A two-linear-layer model (8 -> 8 -> 4), parameters `proj.*` and `out.*`."""
+    import torch
+
+    class Tiny(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(8, 8)
+            self.out = torch.nn.Linear(8, 4)
+
+    return Tiny()
+
+
+def tiny_state(seed: int) -> dict:
+    """Version `seed` of `tiny_model`'s weights: fp32 tensors by name."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(v.shape, generator=g) for k, v in tiny_model().state_dict().items()}
+
+
+def tiny_plan(bucket_bytes: int = 256):
+    """The refit plan of `tiny_state`: fp32 on the wire (exact), several buckets."""
+    from transports.refit.plan import RefitPlan
+
+    meta = {k: (tuple(v.shape), v.dtype) for k, v in tiny_state(0).items()}
+    return RefitPlan.build(meta, wire_dtype=None, bucket_bytes=bucket_bytes)

@@ -161,7 +161,8 @@ class Reference:
             del self.pg, self.store, self.flat
 
 
-def _bench_one(kind: str, state, bucket_bytes: int, workdir: Path, progress, task, rounds: int = 3) -> dict[str, Any]:
+def _bench_one(kind: str, state, bucket_bytes: int, workdir: Path, progress, task, rounds: int = 3,
+               checksums: bool = True) -> dict[str, Any]:
     from transports.factory import TrainCluster, create_weight_synchronizer
     from transports.local import ProcessEngine
 
@@ -173,7 +174,7 @@ def _bench_one(kind: str, state, bucket_bytes: int, workdir: Path, progress, tas
     sync = create_weight_synchronizer(
         state_dict=lambda: state, engines=[engine], colocated=kind in ("ipc", "http"), transport=kind,
         train_cluster=TrainCluster(), inference_world_size=1, filesystem_root=workdir / "weights", keep_last=1,
-        bucket_bytes=bucket_bytes, wire_dtype=None, timeout_s=300)
+        bucket_bytes=bucket_bytes, wire_dtype=None, timeout_s=300, checksums=checksums)
     reference = Reference(kind, engine, state, workdir)
     try:
         # Memory: init, a warm-up version and a warm one, before the reference holds any.
@@ -218,7 +219,7 @@ def _bench_one(kind: str, state, bucket_bytes: int, workdir: Path, progress, tas
 
 
 def run_bench(*, size: int, tensors: int, bucket_bytes: int, transports: list[str],
-              directory: str | None = None, rounds: int = 3) -> dict[str, Any]:
+              directory: str | None = None, rounds: int = 3, checksums: bool = True) -> dict[str, Any]:
     from rich.console import Console
     from rich.progress import Progress
 
@@ -226,12 +227,13 @@ def run_bench(*, size: int, tensors: int, bucket_bytes: int, transports: list[st
     state = synthetic_state(size, tensors)
     total = sum(t.numel() * t.element_size() for t in state.values())
     results: dict[str, Any] = {"size_bytes": total, "tensors": len(state), "bucket_bytes": bucket_bytes,
-                               "rounds": rounds, "transports": {}}
+                               "rounds": rounds, "checksums": checksums, "transports": {}}
     with tempfile.TemporaryDirectory(dir=directory, prefix="inflight-bench-") as tmp, \
             Progress(console=Console(file=sys.stderr), transient=False) as progress:
         for kind in transports:
             task = progress.add_task(f"{kind}", total=3)
-            results["transports"][kind] = _bench_one(kind, state, bucket_bytes, Path(tmp), progress, task, rounds)
+            results["transports"][kind] = _bench_one(kind, state, bucket_bytes, Path(tmp), progress, task, rounds,
+                                                     checksums)
     return results
 
 

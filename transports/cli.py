@@ -44,7 +44,9 @@ def error_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
-def register(sub, bench_sub) -> None:
+def register(sub, bench_sub, *, end_to_end=None) -> None:
+    """`end_to_end(names, model=...)`: what `bench transports --end-to-end` runs (engines and a
+    fleet live in `orchestrator`, which hands it in: `transports` never imports `orchestrator`)."""
     plan = sub.add_parser("plan", help="weight-transfer time and staleness for a model size and bandwidth")
     plan.add_argument("--params", required=True, help="parameter count, e.g. 32e9 or 7B")
     plan.add_argument("--dtype", default="bf16", help="wire dtype: bf16, fp16, fp32, fp8")
@@ -64,7 +66,15 @@ def register(sub, bench_sub) -> None:
     bench.add_argument("--dir", default=None, help="directory for the filesystem transport (default: a temp dir)")
     bench.add_argument("--save", default=str(DEFAULT_RESULTS), help="where to save the figures for `inflight plan`")
     bench.add_argument("--json", action="store_true", help="print JSON")
-    bench.set_defaults(func=bench_command)
+    bench.add_argument("--rounds", default="3", help="timed rounds of each transport and its reference (best counts)")
+    bench.add_argument("--no-checksums", action="store_true",
+                       help="send without the end-to-end crc32c per tensor (what the integrity check costs)")
+    bench.add_argument("--end-to-end", action="store_true",
+                       help="also measure trainer process -> live on two vLLM engines (small model; slow): "
+                            "an `end_to_end` entry per transport")
+    bench.add_argument("--model", default=None, help="--end-to-end: model directory (built with preset 'small' "
+                                                    "when missing; default .inflight/bench-models/small)")
+    bench.set_defaults(func=bench_command, end_to_end_runner=end_to_end)
 
 
 # -- parsing ----------------------------------------------------------------------------------
@@ -175,6 +185,9 @@ def bench_command(args: argparse.Namespace) -> int:
         size = parse_bytes("--size", args.size)
         bucket = parse_bytes("--bucket", args.bucket)
         tensors = int(parse_count("--tensors", args.tensors))
+        rounds = int(parse_count("--rounds", getattr(args, "rounds", "3")))
+        if rounds < 1:
+            raise UsageError("--rounds", f"needs at least 1 round, got {rounds}")
         names = [t.strip() for t in args.transports.split(",") if t.strip()]
         unknown = [t for t in names if t not in ("filesystem", "ipc", "http", "collective")]
         if unknown or not names:
@@ -185,7 +198,17 @@ def bench_command(args: argparse.Namespace) -> int:
     from transports.bench import run_bench
 
     try:
-        results = run_bench(size=size, tensors=tensors, bucket_bytes=bucket, transports=names, directory=args.dir)
+        results = run_bench(size=size, tensors=tensors, bucket_bytes=bucket, transports=names, directory=args.dir,
+                            rounds=rounds, checksums=not getattr(args, "no_checksums", False))
+        if getattr(args, "end_to_end", False):
+            # Engines and a fleet live in orchestrator, which registered the runner.
+            run_end_to_end = getattr(args, "end_to_end_runner", None)
+            if run_end_to_end is None:
+                print("inflight: error: --end-to-end: no end-to-end runner registered (run it through "
+                      "the `inflight` command)", file=sys.stderr)
+                return 2
+            for name, row in run_end_to_end(names, model=args.model).items():
+                results["transports"].setdefault(name, {})["end_to_end"] = row
     except TransportError as exc:
         # The error tree's promise: exit 2 with one line naming the error, never a traceback.
         print(f"inflight: error: {error_line(exc)}", file=sys.stderr)

@@ -5,6 +5,12 @@ as a vLLM `WeightTransferEngine`; tests and `inflight bench transports` run it i
 process. `update_weights` receives a whole version into staging (validated); a failure leaves
 nothing staged. `finish_weight_update` hands the staged version to `apply` (unless the init
 info asked to keep it staged for a later, coordinated activation: `apply_staged()`).
+
+The `apply_on_finish` mode is not atomic across engines: each engine applies at its own
+`finish_weight_update`. `receive_version` is the one staging path: the endpoint (vLLM's `update_weights`, the simple
+`apply_on_finish` mode) and the swap worker extension's staging thread (a coordinated
+activation, `transports.swap`) both receive a version through it, from a receiver built by
+`make_receiver`.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import torch
 from transports.errors import TransportConfigError, TransportError
 from transports.protocols import BucketReceiver
 from transports.refit.plan import RefitPlan
-from transports.staging import StagingArea
+from transports.staging import BucketSink, StagingArea
 
 log = structlog.get_logger("transports.endpoint")
 
@@ -42,13 +48,29 @@ def make_receiver(transport: str, plan: RefitPlan, options: dict[str, Any], work
         from transports.ipc import IpcReceiver
 
         return IpcReceiver(endpoint=options["endpoint"], segments=options.get("segments"), timeout_s=timeout_s,
-                           device=options.get("device", "cpu"))
+                           device=options.get("device", "cpu"), index=options.get("index"))
     if transport == "http":
         from transports.http import HttpReceiver
 
         return HttpReceiver(host=options["host"], port=int(options["port"]), arena_bytes=plan.arena_bytes,
                             timeout_s=timeout_s, token=options.get("token"))
     raise TransportConfigError(f"unknown transport {transport!r}")
+
+
+def receive_version(receiver: BucketReceiver, staging: StagingArea, version: int, attempt: int | None = 0, *,
+                    committed: bool = False, on_bucket: BucketSink | None = None,
+                    retain: bool = True) -> dict[str, torch.Tensor]:
+    """Receives `version` through `receiver` into `staging` (validated bucket by bucket) and
+    returns the complete staged version (empty with `retain=False`: `on_bucket` took every
+    bucket). `attempt=None`: whichever attempt of the version arrives first. `committed`
+    (filesystem only): report it only once the trainer's commit names the buckets read.
+    Raises on any failure; nothing partial is ever returned."""
+    staging.begin(version, attempt, on_bucket=on_bucket, retain=retain)
+    if committed:
+        receiver.receive(version, staging, committed=True)  # type: ignore[call-arg]
+    else:
+        receiver.receive(version, staging)
+    return staging.finish()
 
 
 class ReceivingEndpoint:
@@ -87,10 +109,8 @@ class ReceivingEndpoint:
             self.staged, self.staged_version = None, None
             return
         self.staged, self.staged_version = None, None
-        self.staging.begin(version, int(update_info.get("attempt", 0)))
         try:
-            self.receiver.receive(version, self.staging)
-            self.staged = self.staging.finish()
+            self.staged = receive_version(self.receiver, self.staging, version, int(update_info.get("attempt", 0)))
         except Exception as exc:
             # Kept for callers that only see text (a server's HTTP endpoints): see
             # `InflightWorkerExtension.inflight_last_error`.

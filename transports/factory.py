@@ -7,7 +7,10 @@
     sglang   no         NotImplementedError
     any LoRA adapter    filesystem (collective or nixl asked for explicitly: refused)
 
-`transport=` overrides the choice (filesystem, collective, ipc, http, nixl). Colocated
+`transport=` overrides the choice (filesystem, collective, ipc, http, nixl). With `engines=[]` and
+`engine_count=n` the synchronizer only sends: n engines set up by a `Fleet` with
+`engine_init_info(i)["options"]` stage what it sends, and the fleet's activation makes a version
+live on all of them at one instant (the coordinated path; see docs/activation.md). Colocated
 transports own the device hand-over around a refit (`DeviceHandoverHooks`); the collective one
 only moves bytes. A colocated engine claims min(0.2, 1/max_colocated_worker_groups) of the
 device, a dedicated one all of it (`engine_memory_fraction`).
@@ -136,9 +139,14 @@ def create_weight_synchronizer(
     timeout_s: float = 60.0,
     checksums: bool = True,
     device: str = "cpu",
+    engine_count: int | None = None,
 ) -> WeightSynchronizer:
     """Builds the refit plan (unless given) from `state_dict()`'s metadata and the chosen
-    transport's sender. Call `init_communicator()` once the engines exist."""
+    transport's sender. Call `init_communicator()` once the engines exist. `engine_count`: how
+    many engines the sender serves when `engines` is empty (a fleet activates versions)."""
+    if engines and engine_count is not None and engine_count != len(engines):
+        raise TransportConfigError(f"engine_count={engine_count} disagrees with {len(engines)} engines")
+    count = len(engines) or engine_count or 0
     choice = choose_transport(backend=backend, colocated=colocated, lora=lora, transport=transport,
                               train_cluster=train_cluster, inference_world_size=inference_world_size,
                               max_colocated_worker_groups=max_colocated_worker_groups)
@@ -147,13 +155,18 @@ def create_weight_synchronizer(
     from transports.synchronizer import TransportSynchronizer
 
     name = choice.transport
-    sender = _make_sender(name, plan=plan, engines=len(engines), train_cluster=train_cluster,
-                          inference_world_size=inference_world_size, filesystem_root=filesystem_root,
-                          keep_last=keep_last, http_endpoints=http_endpoints, timeout_s=timeout_s, device=device)
+    if filesystem_root is None and name == "filesystem":
+        filesystem_root = Path(tempfile.mkdtemp(prefix="inflight-weights-"))
+
+    def new_sender():
+        return _make_sender(name, plan=plan, engines=count, train_cluster=train_cluster,
+                            inference_world_size=inference_world_size, filesystem_root=filesystem_root,
+                            keep_last=keep_last, http_endpoints=http_endpoints, timeout_s=timeout_s, device=device)
+
     colocated_hooks = (hooks or DeviceHandoverHooks()) if choice.colocated and name != "collective" else None
-    return TransportSynchronizer(transport_name=name, plan=plan, state_dict=state_dict, sender=sender,
+    return TransportSynchronizer(transport_name=name, plan=plan, state_dict=state_dict, sender=new_sender(),
                                  engines=engines, timeout_s=timeout_s, checksums=checksums, hooks=colocated_hooks,
-                                 forwards_kv_scales=(name == "collective"))
+                                 forwards_kv_scales=(name == "collective"), sender_factory=new_sender)
 
 
 def _build_plan(state_dict: StateDictFn, name_map, bucket_bytes, wire_dtype, target_dtype) -> RefitPlan:
@@ -183,13 +196,13 @@ def _make_sender(name: str, *, plan: RefitPlan, engines: int, train_cluster: Tra
         workers = inference_world_size or engines
         return CollectiveSender(engine_workers=workers, workers_per_engine=max(1, workers // max(1, engines)),
                                 host=cluster.host, port=cluster.port, timeout_s=timeout_s,
-                                arena_bytes=plan.arena_bytes if device == "cpu" else None)
+                                arena_bytes=plan.arena_bytes if device == "cpu" else None, device=device)
     if name == "ipc":
         from transports.ipc import IpcSender
 
         return IpcSender(arena_bytes=plan.arena_bytes, engines=engines, timeout_s=timeout_s, device=device)
     if name == "http":
-        from transports.http import HttpSender
+        from transports.http_sender import HttpSender
 
         endpoints = list(http_endpoints) if http_endpoints else [("127.0.0.1", _free_port("127.0.0.1"))
                                                                  for _ in range(engines)]

@@ -16,218 +16,50 @@ serving: no or a non-numeric / negative `Content-Length` 411 / 400, `Transfer-En
 (chunked) 501, a body over the arena 413; every answer other than 200, and every request that
 asked for `Connection: close`, ends its connection with `Connection: close`.
 
-The sender speaks HTTP/1.1 itself over one kept-alive socket per engine: the request head, then
-`sendall` straight from the packed arena (no copy into an HTTP library's buffers). Requests are
-pipelined one deep: bucket k+1 is written before the answer to bucket k is read, so the socket
-never idles for a round trip between buckets (`plan.pack(..., hold=1)` keeps bucket k's arena
-intact until its answer came). Every socket operation has the sender's timeout.
+The sender (`transports.http_sender`) speaks HTTP/1.1 itself over one kept-alive socket per engine: the request head and
+the body in vectored `sendmsg` calls, straight from the trainer's own tensors where a tensor is
+contiguous and already in the wire dtype (`DirectArenas` / `BucketPayload`: no pack copy), from
+the arena for the rest. The packing thread checksums bucket k+1 (and packs what needs a copy)
+while bucket k is on the wire. Requests are pipelined one deep: bucket k+1 is written before the
+answer to bucket k is read, so the socket never idles for a round trip between buckets
+(`plan.pack(..., hold=1)` keeps bucket k's arena intact until its answer came). Every socket
+operation has the sender's timeout.
+
+The receiver checksums each tensor while reading it (1 MiB at a time, from cache) instead of in
+a second pass over the landed bytes; when every tensor of a bucket matched, the staging area
+is told not to recompute them (it still checks everything else). On any mismatch it does
+recompute them and raises `ChecksumError` naming the tensor, exactly as before.
 """
 
 from __future__ import annotations
 
 import base64
+import collections
 import hmac
 import queue
-import re
-import secrets
 import socket
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
 
+import msgspec
 import structlog
 import torch
 
 from transports.errors import TransportError, TransportTimeoutError
+from transports.http_common import (
+    _CRC_CHUNK,
+    BUCKET_PATH,
+    HEADER,
+    HEALTH_PATH,
+    SOCKET_BUFFER,
+    content_length,
+    new_token,
+)
+from transports.http_sender import HttpSender  # noqa: F401 - re-exported: the sender's end
 from transports.staging import ReplayPipeline, StagingArea
-from transports.wire import BucketHeader, decode_header, encode_header
+from transports.wire import checksum_final, checksum_update, decode_header
 
 log = structlog.get_logger("transports.http")
-
-BUCKET_PATH = "/inflight/v1/bucket"
-HEALTH_PATH = "/inflight/v1/health"
-HEADER = "X-Inflight-Header"
-SOCKET_BUFFER = 8 << 20  # asked for; the kernel caps it (net.core.[rw]mem_max)
-_MAX_HEAD = 64 << 10
-_DIGITS = re.compile(r"[0-9]{1,18}")
-
-
-def new_token() -> str:
-    """A per-run secret for the bucket receivers (256 bits, URL-safe)."""
-    return secrets.token_urlsafe(32)
-
-
-def content_length(values: list[str] | None) -> int | None:
-    """The body length of a request's `Content-Length` header(s): None when absent; raises
-    ValueError for a non-numeric or negative value, or several that disagree."""
-    if not values:
-        return None
-    lengths = {v.strip() for v in values}
-    if len(lengths) != 1:
-        raise ValueError(f"conflicting Content-Length values {sorted(lengths)}")
-    (text,) = lengths
-    if not _DIGITS.fullmatch(text):
-        raise ValueError(f"Content-Length {text!r} is not a non-negative decimal number")
-    return int(text)
-
-
-class _Connection:
-    """One HTTP/1.1 keep-alive connection; every wait bounded by `timeout_s`."""
-
-    def __init__(self, host: str, port: int, timeout_s: float):
-        self.host, self.port, self.timeout_s = host, port, timeout_s
-        self.sock = socket.create_connection((host, port), timeout=timeout_s)
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
-        self._buffer = bytearray()
-
-    def request(self, method: str, path: str, headers: dict[str, str], body: memoryview | None) -> tuple[int, bytes]:
-        self.send_request(method, path, headers, body)
-        return self.response()
-
-    def send_request(self, method: str, path: str, headers: dict[str, str], body: memoryview | None) -> None:
-        """Writes one request; its answer is read by a later `response()` (answers come in
-        request order, so requests may be pipelined)."""
-        length = len(body) if body is not None else 0
-        head = [f"{method} {path} HTTP/1.1", f"Host: {self.host}:{self.port}", f"Content-Length: {length}"]
-        head += [f"{k}: {v}" for k, v in headers.items()]
-        self.sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode("latin-1"))
-        if length:
-            self.sock.sendall(body)
-
-    def response(self) -> tuple[int, bytes]:
-        while (end := self._buffer.find(b"\r\n\r\n")) < 0:
-            if len(self._buffer) > _MAX_HEAD:
-                raise TransportError(f"http://{self.host}:{self.port}: answer head over {_MAX_HEAD} bytes")
-            self._fill()
-        lines = bytes(self._buffer[:end]).decode("latin-1").split("\r\n")
-        del self._buffer[:end + 4]
-        try:
-            status = int(lines[0].split()[1])
-        except (IndexError, ValueError) as exc:
-            raise TransportError(f"http://{self.host}:{self.port}: bad status line {lines[0]!r}") from exc
-        length = 0
-        for line in lines[1:]:
-            name, _, value = line.partition(":")
-            if name.strip().lower() == "content-length":
-                length = int(value.strip())
-        while len(self._buffer) < length:
-            self._fill()
-        body = bytes(self._buffer[:length])
-        del self._buffer[:length]
-        return status, body
-
-    def _fill(self) -> None:
-        data = self.sock.recv(65536)
-        if not data:
-            raise ConnectionError("the engine closed the connection")
-        self._buffer += data
-
-    def close(self) -> None:
-        try:
-            self.sock.close()
-        except OSError:
-            pass
-
-
-class HttpSender:
-    #: `send(k)` returns once bucket k is written, before the engine's answer to it: the answer
-    #: is read after bucket k+1 was written (HTTP/1.1 pipelining), so the wire never idles for
-    #: a round trip between buckets. `commit()` reads the last answers.
-    in_flight = 1
-
-    def __init__(self, *, endpoints: list[tuple[str, int]], timeout_s: float = 60.0, token: str | None = None):
-        self.endpoints = endpoints
-        self.timeout_s = timeout_s
-        self.token = token or new_token()  # handed to every receiver in its init info
-        self._connections: dict[tuple[str, int], _Connection] = {}
-        self._unanswered: list[tuple[int, str]] = []  # (bucket index, what) whose answers are unread
-
-    def engine_init_info(self, engine_index: int) -> dict[str, Any]:
-        host, port = self.endpoints[engine_index]
-        return {"host": host, "port": port, "timeout_s": self.timeout_s, "token": self.token}
-
-    def connect(self) -> None:
-        """Waits (bounded) until every engine's receiver answers: engines start theirs while
-        this runs."""
-        deadline = time.monotonic() + self.timeout_s
-        for host, port in self.endpoints:
-            while True:
-                try:
-                    self._request(host, port, "GET", HEALTH_PATH, None, {})
-                    break
-                except TransportError:
-                    if time.monotonic() > deadline:
-                        raise TransportTimeoutError(f"engine receiver at {host}:{port} to listen", self.timeout_s)
-                    time.sleep(0.05)
-
-    def begin(self, version: int, bucket_count: int) -> None:
-        if self._unanswered:  # a failed version left answers unread: start on fresh connections
-            self._unanswered = []
-            for key in list(self._connections):
-                self._drop(key)
-
-    def send(self, header: BucketHeader, payload: memoryview) -> None:
-        meta = base64.b64encode(encode_header(header)).decode()
-        headers = {HEADER: meta, "Content-Type": "application/octet-stream", "Authorization": f"Bearer {self.token}"}
-        for host, port in self.endpoints:
-            self._io(host, port, "PUT", BUCKET_PATH,
-                     lambda conn: conn.send_request("PUT", BUCKET_PATH, headers, payload))
-        self._unanswered.append((header.index, f"bucket {header.index}"))
-        while len(self._unanswered) > self.in_flight:
-            self._read_answers()
-
-    def _read_answers(self) -> None:
-        """Reads every engine's answer to the oldest unanswered bucket."""
-        self._unanswered.pop(0)
-        for host, port in self.endpoints:
-            self._check(host, port, "PUT", BUCKET_PATH, self._io(host, port, "PUT", BUCKET_PATH,
-                                                                 lambda conn: conn.response()))
-
-    def _request(self, host: str, port: int, method: str, path: str, body: memoryview | None,
-                 headers: dict[str, str]) -> None:
-        status_text = self._io(host, port, method, path, lambda conn: conn.request(method, path, headers, body))
-        self._check(host, port, method, path, status_text)
-
-    def _io(self, host: str, port: int, method: str, path: str, call):
-        """Runs `call(connection)` with every failure a `TransportError` (timeouts typed)."""
-        url = f"http://{host}:{port}{path}"
-        key = (host, port)
-        try:
-            conn = self._connections.get(key)
-            if conn is None:
-                conn = self._connections[key] = _Connection(host, port, self.timeout_s)
-            return call(conn)
-        except TimeoutError as exc:  # socket.timeout
-            self._drop(key)
-            raise TransportTimeoutError(f"{method} {url}", self.timeout_s) from exc
-        except OSError as exc:
-            self._drop(key)
-            raise TransportError(f"{method} {url}: {type(exc).__name__}: {exc}") from exc
-        except TransportError:
-            self._drop(key)
-            raise
-
-    def _check(self, host: str, port: int, method: str, path: str, status_text) -> None:
-        status, text = status_text
-        if status != 200:
-            self._drop((host, port))  # the engine may not have read the body: start afresh
-            raise TransportError(f"{method} http://{host}:{port}{path}: {status} {text.decode(errors='replace')}")
-
-    def _drop(self, key: tuple[str, int]) -> None:
-        conn = self._connections.pop(key, None)
-        if conn is not None:
-            conn.close()
-
-    def commit(self, version: int) -> None:
-        while self._unanswered:
-            self._read_answers()
-
-    def close(self) -> None:
-        self._unanswered = []
-        for key in list(self._connections):
-            self._drop(key)
 
 
 class _Short(Exception):
@@ -249,7 +81,12 @@ class HttpReceiver:
         self._next_slot = 0
         self._slot_lock = threading.Lock()
         self._arrived: queue.Queue = queue.Queue()
+        # Buckets of a later version or attempt that arrived while an earlier one was being
+        # received (or after it failed): the next `receive` takes them first, in arrival order.
+        self._held: collections.deque = collections.deque()
         self._staging: StagingArea | None = None  # the version being received, for `landing`
+        self._conns: set[socket.socket] = set()  # open connections, ended by close()
+        self._conn_lock = threading.Lock()
         self._server = ThreadingHTTPServer((host, port), self._handler())
         self._server.daemon_threads = True
         self.port = self._server.server_address[1]
@@ -271,7 +108,14 @@ class HttpReceiver:
                 # The answer goes out as head + body: without NODELAY, Nagle holds the body back
                 # until the trainer's delayed ACK (~40 ms per bucket).
                 self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                with receiver._conn_lock:
+                    receiver._conns.add(self.request)
                 super().setup()
+
+            def finish(self) -> None:
+                with receiver._conn_lock:
+                    receiver._conns.discard(self.request)
+                super().finish()
 
             def _reply(self, code: int, text: str, headers: dict[str, str] | None = None) -> None:
                 if code != 200:
@@ -305,6 +149,15 @@ class HttpReceiver:
                     self.close_connection = True
                     try:
                         self._reply(500, f"{type(exc).__name__}: {exc}")
+                    except OSError:
+                        pass
+                finally:
+                    # The body's reads (and the answer) are bounded by the timeout; the wait for the
+                    # next request on this kept-alive connection is not: the trainer's next version
+                    # may come a whole training step later (a timeout here closed the connection,
+                    # and the trainer's next sync_weights failed on it).
+                    try:
+                        self.connection.settimeout(None)
                     except OSError:
                         pass
 
@@ -341,47 +194,65 @@ class HttpReceiver:
                     arena = memoryview(receiver._arenas[slot].numpy())
                     # Tensors the staging area can take as they are are read straight into their
                     # staging tensors (no copy out of the arena later); the rest, and the padding
-                    # between tensors, into the arena at their offsets.
+                    # between tensors, into the arena at their offsets. Each tensor's checksum is
+                    # computed while it is read, chunk by chunk from cache (see `_read_into`).
                     staging = receiver._staging
-                    landed = staging.landing(header) if staging is not None else {}
-                    spans, kept = [], {}
+                    landing = staging.landing(header) if staging is not None else {}
+                    spans, landed = [], {}
                     for m in sorted(header.tensors, key=lambda m: m.offset):
-                        flat = landed.get(m.name)
-                        if (flat is not None and m.name not in kept and m.offset >= (spans[-1][1] if spans else 0)
-                                and m.offset + m.nbytes <= length):
-                            spans.append((m.offset, m.offset + m.nbytes, flat))
-                            kept[m.name] = flat
-                    landed = kept  # anything else (overlapping spans of a malformed header) via the arena
-                    got = 0
+                        if m.offset < (spans[-1][1] if spans else 0) or m.offset + m.nbytes > length:
+                            continue  # overlapping or past the body: left to the staging area's checks
+                        flat = landing.get(m.name)
+                        if flat is not None and m.name not in landed:
+                            landed[m.name] = flat
+                            target = memoryview(flat.numpy())
+                        else:
+                            target = arena[m.offset:m.offset + m.nbytes]
+                        spans.append((m.offset, m.offset + m.nbytes, target, m))
+                    got, sums = 0, {}
                     self.connection.settimeout(receiver.timeout_s)
                     try:
-                        for start, end, flat in [*spans, (length, length, None)]:
+                        for start, end, target, m in spans:
                             self._read_into(arena[got:start])
                             got = start
-                            if flat is not None:
-                                self._read_into(memoryview(flat.numpy()))
-                                got = end
+                            crc = self._read_into(target, header.checksums)
+                            got = end
+                            sums[m.name] = (checksum_final(crc), m)
+                        self._read_into(arena[got:length])
+                        got = length
                     except _Short as short:
                         got += short.got
                     except OSError:
                         pass  # a stalled or vanished sender: stage what arrived, staging names the cut
+                    if header.checksums and len(sums) == len(header.tensors) and all(
+                            crc == m.checksum for crc, m in sums.values()):
+                        # Every tensor's bytes were checksummed as they arrived and match: the
+                        # staging area checks everything else. On any doubt it recomputes them
+                        # itself (and names the tensor that disagrees).
+                        header = msgspec.structs.replace(header, checksums=False)
                 except BaseException:
                     receiver._free[slot].release()  # never queued: the arena is free again
                     raise
                 receiver._arrived.put((slot, header, arena[:got], landed))
                 self._reply(200, "queued")
 
-            def _read_into(self, view: memoryview) -> None:
-                """Fills `view` from the body; raises `_Short` (bytes read) if the body ends first."""
-                filled = 0
-                while filled < len(view):
+            def _read_into(self, view: memoryview, crc: bool = False) -> int:
+                """Fills `view` from the body; raises `_Short` (bytes read) if the body ends
+                first. `crc`: returns the running checksum of the bytes (`checksum_update`),
+                computed piece by piece right after each piece is read, while it is in cache."""
+                filled, value, size = 0, 0, len(view)
+                step = _CRC_CHUNK if crc else size
+                while filled < size:
                     try:
-                        n = self.rfile.readinto(view[filled:])
+                        n = self.rfile.readinto(view[filled:min(size, filled + step)])
                     except OSError:
                         raise _Short(filled) from None
                     if not n:
                         raise _Short(filled)
+                    if crc:
+                        value = checksum_update(view[filled:filled + n], value)
                     filled += n
+                return value
 
         return Handler
 
@@ -395,7 +266,9 @@ class HttpReceiver:
 
     def receive(self, version: int, staging: StagingArea) -> None:
         """A rejected bucket does not end the loop: the rest of the version is still taken in
-        (and dropped) so the trainer's requests complete, then the error is raised."""
+        (and dropped) so the trainer's requests complete, then the error is raised. A bucket of
+        a later version or attempt (`StagingArea.is_newer`: the trainer moved on) ends it at once
+        with a `TransportError` and is kept for the next receive."""
         pipe = ReplayPipeline(staging, arenas=1, timeout_s=self.timeout_s)
         error: TransportError | None = None
         self._staging = staging
@@ -403,10 +276,20 @@ class HttpReceiver:
             k, count = 0, None
             while count is None or k < count:
                 try:
-                    slot, header, payload, landed = self._arrived.get(timeout=self.timeout_s)
+                    item = self._held.popleft() if self._held else self._arrived.get(timeout=self.timeout_s)
                 except queue.Empty as exc:
                     raise TransportTimeoutError(f"waiting for bucket {k} of version {version}", self.timeout_s) from exc
+                slot, header, payload, landed = item
                 if not staging.is_current(header):
+                    if staging.is_newer(header):
+                        # The trainer moved on (a retry of this version, or the next one): this
+                        # version can no longer complete. Keep the bucket for the next receive.
+                        self._held.append(item)
+                        raise TransportError(
+                            f"version {version}: bucket {header.index} of version {header.version} (attempt "
+                            f"{header.attempt}) arrived after {k} of {count if count is not None else '?'} buckets "
+                            f"of attempt {staging.attempt}: the trainer has moved past it (a retried attempt, or a later "
+                            "version)")
                     self._free[slot].release()  # left over from an abandoned attempt
                     continue
                 count = header.count
@@ -428,18 +311,35 @@ class HttpReceiver:
             self._staging = None
             pipe.close()
         if error is not None:
-            self._drop_queued()
+            self._drop_queued(staging)
             raise error
 
-    def _drop_queued(self) -> None:
-        """After a failed version, free arenas still holding its buckets."""
+    def _drop_queued(self, staging: StagingArea) -> None:
+        """After a failed version, free arenas still holding its buckets (or older ones); a
+        bucket of a later version or attempt, or of this version when no attempt of it had
+        started arriving (a receive that timed out just before the trainer began), is kept for
+        the next receive."""
         while True:
             try:
-                slot, _, _, _ = self._arrived.get_nowait()
+                item = self._arrived.get_nowait()
             except queue.Empty:
                 return
-            self._free[slot].release()
+            header = item[1]
+            if staging.is_newer(header) or (header.version == staging.version and staging.attempt is None):
+                self._held.append(item)
+            else:
+                self._free[item[0]].release()
 
     def close(self) -> None:
+        """Stops listening and ends every open connection: a kept-alive trainer connection left
+        to its handler would have its next buckets answered "queued" into this closed receiver;
+        ended, the trainer's send fails and its next attempt connects to whoever listens now."""
         self._server.shutdown()
         self._server.server_close()
+        with self._conn_lock:
+            conns, self._conns = list(self._conns), set()
+        for conn in conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass

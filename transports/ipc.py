@@ -9,7 +9,11 @@ queued for it, and the trainer's packing thread writes bucket k+1 into the other
 wait bounded by the timeout).
 
 On a GPU the same flow carries CUDA IPC handles of device arenas instead of shared-memory
-names (`torch.multiprocessing.reductions.reduce_tensor`); see `test_gpu_*` tests.
+names (`torch.multiprocessing.reductions.reduce_tensor`): the plan packs into the device arenas
+with torch ops, and the engine replays straight out of the trainer's mapped arena on the device
+(no host copy), synchronizing its stream before it acks. `IpcSender(device="cuda")` without a
+CUDA device raises `TransportUnavailableError`. Written, not yet run on a GPU (`test_gpu_*`
+tests, marked `gpu`, skip without one).
 
 Messages (ZMQ ROUTER on the trainer, one DEALER per engine), all multipart:
     engine  -> trainer   [b"hello"]                       once, after connecting
@@ -38,7 +42,11 @@ import structlog
 import torch
 import zmq
 
-from transports.errors import TransportError, TransportTimeoutError
+from transports.errors import (
+    TransportError,
+    TransportTimeoutError,
+    TransportUnavailableError,
+)
 from transports.staging import StagingArea
 from transports.wire import BucketHeader, decode_header, encode_header
 
@@ -130,9 +138,13 @@ class IpcSender:
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.bind(self.endpoint)
-        self._peers: list[bytes] = []
+        self._peer_of: dict[int, bytes] = {}  # engine index -> its receiver's socket identity
+        self._excluded: set[int] = set()  # engines left out of every version (see `exclude`)
         self._shm: list[shared_memory.SharedMemory] = []
         size = max(arena_bytes, 1)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            self._sock.close(linger=0)
+            raise TransportUnavailableError("ipc on cuda: no CUDA device here (torch.cuda.is_available() is False)")
         if self.device.type == "cuda":
             self._arenas = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(2)]
         else:
@@ -151,17 +163,60 @@ class IpcSender:
         return self._arenas
 
     def engine_init_info(self, engine_index: int) -> dict[str, Any]:
-        info: dict[str, Any] = {"endpoint": self.endpoint, "timeout_s": self.timeout_s, "device": self.device.type}
+        info: dict[str, Any] = {"endpoint": self.endpoint, "timeout_s": self.timeout_s, "device": self.device.type,
+                                "index": engine_index}
         if self._shm:
             info["segments"] = [s.name for s in self._shm]
         return info
 
     def connect(self) -> None:
-        while len(self._peers) < self.engines:
+        while any(i not in self._peer_of and i not in self._excluded for i in range(self.engines)):
             frames = self._recv("an engine to connect")
-            if frames[1] == b"hello" and frames[0] not in self._peers:
-                self._peers.append(frames[0])
-        log.info("ipc.connected", engines=len(self._peers), endpoint=self.endpoint)
+            if frames[1] == b"hello":
+                self._hello(frames)
+        log.info("ipc.connected", engines=len(self._peer_of), endpoint=self.endpoint)
+
+    def _hello(self, frames: list[bytes]) -> None:
+        """An engine's receiver said hello: `[identity, b"hello", index]` (a receiver of an older
+        build sends no index and takes the next free one). A second hello for an index is a
+        restarted engine: its new socket replaces the old one."""
+        peer = frames[0]
+        try:
+            index = int(frames[2]) if len(frames) > 2 and frames[2] else next(
+                i for i in range(len(self._peer_of) + 1) if i not in self._peer_of)
+        except ValueError:
+            log.warning("ipc.bad_hello", frames=len(frames))
+            return
+        if not 0 <= index < self.engines:
+            log.warning("ipc.unknown_engine", index=index, engines=self.engines)
+            return
+        self._peer_of[index] = peer
+
+    def _take_hellos(self) -> None:
+        """Registers the hellos waiting on the socket (restarted engines), without blocking."""
+        while self._sock.poll(0):
+            frames = self._sock.recv_multipart()
+            if frames[1] == b"hello":
+                self._hello(frames)  # anything else is a late answer of a finished version
+
+    def exclude(self, engine_index: int) -> None:
+        """Leave engine `engine_index` out of every version from the next one on (a fenced
+        engine: no bucket is announced to it and no acknowledgement is awaited from it)."""
+        self._check_index(engine_index)
+        self._excluded.add(engine_index)
+
+    def include(self, engine_index: int) -> None:
+        """Send to engine `engine_index` again from the next version on (a restarted engine's
+        receiver says hello again and replaces the old one)."""
+        self._check_index(engine_index)
+        self._excluded.discard(engine_index)
+
+    def _check_index(self, engine_index: int) -> None:
+        if not 0 <= engine_index < self.engines:
+            raise TransportError(f"engine index {engine_index} is outside 0..{self.engines - 1}")
+
+    def _targets(self) -> list[bytes]:
+        return [peer for i, peer in sorted(self._peer_of.items()) if i not in self._excluded]
 
     def _recv(self, what: str) -> list[bytes]:
         if not self._sock.poll(int(self.timeout_s * 1000)):
@@ -169,12 +224,16 @@ class IpcSender:
         return self._sock.recv_multipart()
 
     def begin(self, version: int, bucket_count: int) -> None:
-        if len(self._peers) < self.engines:
+        if any(i not in self._peer_of and i not in self._excluded for i in range(self.engines)):
             raise TransportError("init_communicator() was not called: engines are not connected")
-        self._acked = {peer: -1 for peer in self._peers}
+        self._take_hellos()
+        self._acked = {peer: -1 for peer in self._targets()}
         self._sent = -1
 
-    def _slot_of(self, payload: memoryview) -> int:
+    def _slot_of(self, payload: memoryview | torch.Tensor) -> int:
+        if isinstance(payload, torch.Tensor):  # a device payload: the plan packed into a CUDA arena
+            return next((slot for slot, arena in enumerate(self._arenas)
+                         if arena.device == payload.device and arena.data_ptr() == payload.data_ptr()), -1)
         for slot, arena in enumerate(self._arenas):
             if arena.device.type == "cpu" and payload.obj is not None:
                 base = memoryview(arena.numpy())
@@ -182,19 +241,22 @@ class IpcSender:
                     return slot
         return -1
 
-    def send(self, header: BucketHeader, payload: memoryview) -> None:
+    def send(self, header: BucketHeader, payload: memoryview | torch.Tensor) -> None:
         if header.index == 0 or header.attempt != self._attempt:
             self._attempt = header.attempt
-            self._acked = {peer: -1 for peer in self._peers}
+            self._acked = {peer: -1 for peer in self._targets()}
             self._sent = -1
         slot = header.index % 2
         if self._slot_of(payload) != slot:
             # Not packed in place (e.g. a caller with its own buffers): copy into the arena once
             # the bucket it held (k-2) was applied everywhere.
             self._wait_acked(header.index - 2)
-            self._arenas[slot][:len(payload)].copy_(torch.frombuffer(payload, dtype=torch.uint8))
+            source = payload if isinstance(payload, torch.Tensor) else torch.frombuffer(payload, dtype=torch.uint8)
+            self._arenas[slot][:len(payload)].copy_(source)
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()  # complete before it is announced
         message = encode_header(header)
-        for peer in self._peers:
+        for peer in self._acked:
             self._sock.send_multipart([peer, b"bucket", bytes([slot]), message, str(len(payload)).encode(),
                                        self._handle(slot)])
         self._sent = header.index
@@ -217,11 +279,16 @@ class IpcSender:
         while min(self._acked.values(), default=index) < index:
             frames = self._recv(f"engines to apply bucket {index}")
             peer, kind = frames[0], frames[1]
+            if kind == b"hello":  # a restarted engine: it takes part from the next version on
+                self._hello(frames)
+                continue
+            if peer not in self._acked:
+                continue  # an engine left out of this version, or a socket a restart replaced
             if kind == b"error":
                 if len(frames) > 4 and int(frames[4]) != self._attempt:
                     continue  # an engine's late answer to an abandoned attempt
                 raise TransportError(f"engine failed on bucket {int(frames[2])}: {frames[3].decode()}")
-            if kind == b"ack" and peer in self._acked and len(frames) > 3 and int(frames[3]) == self._attempt:
+            if kind == b"ack" and len(frames) > 3 and int(frames[3]) == self._attempt:
                 self._acked[peer] = max(self._acked[peer], int(frames[2]))
 
     def commit(self, version: int) -> None:
@@ -250,31 +317,52 @@ def _same_buffer(payload: memoryview, arena: torch.Tensor) -> bool:
 
 class IpcReceiver:
     def __init__(self, *, endpoint: str, segments: list[str] | None = None, timeout_s: float = 60.0,
-                 device: str = "cpu"):
+                 device: str = "cpu", index: int | None = None):
         self.timeout_s = timeout_s
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.IDENTITY, f"engine-{os.getpid()}-{uuid.uuid4().hex[:6]}".encode())
         self._sock.connect(endpoint)
-        self._sock.send_multipart([b"hello"])
+        # The engine's index tells the trainer which engine this socket is (a restarted engine
+        # replaces its old socket; an excluded one is skipped).
+        self._sock.send_multipart([b"hello"] if index is None else [b"hello", str(int(index)).encode()])
         self._shm = [_attach(n) for n in (segments or [])]
         self._views = [memoryview(s) for s in self._shm]
+        self._held: list[bytes] | None = None  # an announcement of a later version or attempt, not yet acked
 
     def receive(self, version: int, staging: StagingArea) -> None:
         k, count = 0, None
         while count is None or k < count:
-            if not self._sock.poll(int(self.timeout_s * 1000)):
-                raise TransportTimeoutError(f"waiting for bucket {k} of version {version}", self.timeout_s)
-            _, slot_raw, raw, length, handle = self._sock.recv_multipart()
+            if self._held is not None:
+                frames, self._held = self._held, None
+            else:
+                if not self._sock.poll(int(self.timeout_s * 1000)):
+                    raise TransportTimeoutError(f"waiting for bucket {k} of version {version}", self.timeout_s)
+                frames = self._sock.recv_multipart()
+            _, slot_raw, raw, length, handle = frames
             header = decode_header(raw)
             ack = [b"ack", str(header.index).encode(), str(header.attempt).encode()]
-            if not staging.is_current(header):  # left over from an abandoned attempt
-                self._sock.send_multipart(ack)
+            if not staging.is_current(header):
+                if staging.is_newer(header):
+                    # The trainer moved on (a retry of this version, or the next one): this version
+                    # can no longer complete. Not acknowledged: the next receive takes it first.
+                    self._held = frames
+                    raise TransportError(
+                        f"version {version}: bucket {header.index} of version {header.version} (attempt "
+                        f"{header.attempt}) arrived after {k} of {count if count is not None else '?'} buckets "
+                        f"of attempt {staging.attempt}: the trainer has moved past it (a retried attempt, or a later "
+                        "version)")
+                self._sock.send_multipart(ack)  # left over from an abandoned attempt
                 continue
             count = header.count
             try:
-                staging.accept(header, self._payload(slot_raw[0], int(length), handle))
+                payload = self._payload(slot_raw[0], int(length), handle)
+                staging.accept(header, payload)
+                if isinstance(payload, torch.Tensor):
+                    # The replay's device copies were only queued: they must have read the
+                    # trainer's arena before the ack lets the trainer refill it.
+                    torch.cuda.current_stream(payload.device).synchronize()
             except Exception as exc:
                 self._sock.send_multipart([b"error", str(header.index).encode(), str(exc).encode(),
                                            str(header.attempt).encode()])
@@ -282,11 +370,20 @@ class IpcReceiver:
             self._sock.send_multipart(ack)
             k += 1
 
-    def _payload(self, slot: int, length: int, handle: bytes) -> memoryview:
+    def _payload(self, slot: int, length: int, handle: bytes) -> memoryview | torch.Tensor:
+        """The bucket's bytes: a view of the shared-memory segment, or (CUDA IPC) the trainer's
+        device arena itself, mapped from its handle: replayed on the device, never copied to
+        the host."""
         if handle:
-            func, args = load_cuda_handle(handle)
+            func, args = load_cuda_handle(handle)  # refuses anything but a plain handle, calling nothing
+            if not torch.cuda.is_available():
+                raise TransportUnavailableError("ipc: the trainer sent a CUDA IPC handle, but this process "
+                                                "has no CUDA device (torch.cuda.is_available() is False)")
             device_arena = func(*args)
-            return memoryview(device_arena[:length].cpu().numpy())
+            if device_arena.dtype != torch.uint8 or device_arena.dim() != 1 or device_arena.numel() < length:
+                raise UnsafeHandleError(f"CUDA IPC handle refused: {tuple(device_arena.shape)} "
+                                        f"{device_arena.dtype} is not a byte arena of {length} bytes")
+            return device_arena[:length]
         return self._views[slot][:length]
 
     def close(self) -> None:

@@ -14,15 +14,23 @@ def _rss_now() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _hwm() -> int:
+def status_bytes(field: str) -> int:
+    """A size field of /proc/self/status (`VmRSS`, `VmHWM`, `RssFile`, ...) in bytes."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmHWM:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
-    return 0
+    raise RuntimeError(f"/proc/self/status has no {field}")
 
 
-def _reset_hwm() -> bool:
+def _hwm() -> int:
+    try:
+        return status_bytes("VmHWM")
+    except RuntimeError:
+        return 0
+
+
+def reset_hwm() -> bool:
     """Resets this process's resident high-water mark (Linux >= 4.0); False where refused."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
@@ -50,7 +58,7 @@ class RssSampler:
             time.sleep(self.every_s)
 
     def __enter__(self) -> RssSampler:
-        self._exact = _reset_hwm()
+        self._exact = reset_hwm()
         self.peak = max(self.peak, _rss_now())
         self._thread.start()
         return self

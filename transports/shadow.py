@@ -10,6 +10,7 @@ Light imports only (torch; vLLM's reload helpers inside the functions that need 
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any
 
 import torch
@@ -21,6 +22,16 @@ def staging_cpus(worker_cpus: set[int]) -> set[int]:
     allowed = set(os.sched_getaffinity(0)) | set(range(os.cpu_count() or 1))
     others = allowed - set(worker_cpus)
     return others or set(worker_cpus)
+
+
+def offload_current_thread(worker_cpus: set[int]) -> None:
+    """Moves the calling thread off the worker's core (Linux: per thread) and below the engine's
+    own threads where they share a core. Threads it starts inherit both."""
+    try:
+        os.sched_setaffinity(0, staging_cpus(worker_cpus))
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (OSError, AttributeError):
+        pass
 
 
 def clone_for_shadow(model: torch.nn.Module) -> torch.nn.Module:
@@ -93,11 +104,18 @@ def flip(live: torch.nn.Module, shadow: torch.nn.Module) -> int:
 def reload_into(model: torch.nn.Module, weights: dict[str, torch.Tensor], model_config) -> None:
     """Loads `weights` (engine names) through vLLM's layerwise reload, which re-runs every
     layer's post-processing (never `model.load_weights` alone on CPU)."""
-    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+    from vllm.model_executor.model_loader.reload import (
+        finalize_layerwise_reload,
+        initialize_layerwise_reload,
+    )
+
+    from transports.cpu_reload import cpu_moe_layers_written, repair_cpu_reload
 
     initialize_layerwise_reload(model)
     model.load_weights(iter(weights.items()))
+    moe = cpu_moe_layers_written(model)  # vLLM 0.32 CPU reload defects: see transports.cpu_reload
     finalize_layerwise_reload(model, model_config)
+    repair_cpu_reload(model, moe)
 
 
 def share_reload_metadata(live: torch.nn.Module, shadow: torch.nn.Module) -> None:
@@ -129,3 +147,66 @@ def _copy_meta(tensor: torch.Tensor, live: torch.nn.Module, shadow: torch.nn.Mod
         attrs[key] = value
     new.__dict__ = attrs
     return new
+
+
+class BucketwiseReload:
+    """vLLM's layerwise reload of `model` fed one bucket at a time, as each arrives (the staging
+    area's `on_bucket`), so a version is replayed into the shadow while the receiver reads the
+    next bucket. The reload keeps each layer's tensors until every weight of that layer has
+    arrived, then post-processes the layer (oneDNN repacking on CPU); a layer split across
+    buckets is therefore fine. `finish()` post-processes what is left (attention layers);
+    `abort()` after a failure ends the reload all the same, so the next version starts from a
+    clean reload state (a half-loaded layer would otherwise count the old bytes towards the new
+    version); the model is then garbage, never a rollback target. Once `cancel` is set, buckets
+    are skipped: the receiver drains its version, the model is left alone."""
+
+    def __init__(self, model: torch.nn.Module, model_config, cancel: threading.Event | None = None):
+        self.model = model
+        self.model_config = model_config
+        self.cancel = cancel
+        self.started = False
+        self.done = False
+        self.buckets = 0
+        self.error: str | None = None  # why abort() could not end the reload cleanly
+
+    def load(self, tensors: dict[str, torch.Tensor]) -> None:
+        if self.cancel is not None and self.cancel.is_set():
+            return
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        with torch.no_grad():  # thread-local: this may run on a receiver's replay thread
+            if not self.started:
+                initialize_layerwise_reload(self.model)
+                self.started = True
+            self.model.load_weights(iter(tensors.items()))
+        self.buckets += 1
+
+    def finish(self) -> None:
+        from vllm.model_executor.model_loader.reload import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+
+        from transports.cpu_reload import cpu_moe_layers_written, repair_cpu_reload
+
+        with torch.no_grad():
+            if not self.started:  # a plan without buckets: still a complete (empty) reload
+                initialize_layerwise_reload(self.model)
+                self.started = True
+            moe = cpu_moe_layers_written(self.model)  # vLLM 0.32 CPU reload defects (transports.cpu_reload)
+            finalize_layerwise_reload(self.model, self.model_config)
+            repair_cpu_reload(self.model, moe)
+        self.done = True
+
+    def abort(self) -> None:
+        if self.started and not self.done:
+            from vllm.model_executor.model_loader.reload import (
+                finalize_layerwise_reload,
+            )
+
+            try:
+                with torch.no_grad():
+                    finalize_layerwise_reload(self.model, self.model_config)
+            except Exception as exc:  # noqa: BLE001 - the model is no rollback target either way
+                self.error = f"{type(exc).__name__}: {exc}"
+            self.done = True

@@ -6,6 +6,13 @@ right) before any of it is replayed; a version is only handed out by `finish()` 
 planned tensor arrived. Nothing here touches the weights an engine serves, so a failed
 version leaves the old one live.
 
+`begin(version, attempt=None)` takes whichever attempt of `version` starts arriving first (its bucket 0; a receiver
+fed by a trainer whose attempt count the engine does not know: a coordinated activation); a
+bucket of another attempt is then dropped as left over. `begin(..., on_bucket=f)` hands each
+bucket's replayed tensors to `f` as soon as the bucket is accepted (the worker extension loads
+them into its shadow model there, while the receiver reads the next bucket), and
+`retain=False` keeps nothing once `f` took it (`finish()` then only checks completeness).
+
 `ReplayPipeline` runs the replay of bucket k on a thread while the receiver reads bucket k+1
 into its other arena. A receiver that reads a stream (http) can skip the copy out of its arena:
 `landing(header)` gives, per tensor that needs no conversion, the staging tensor to read its
@@ -37,6 +44,10 @@ if TYPE_CHECKING:
     from transports.refit.plan import PlanEntry, RefitPlan
 
 
+#: Takes one accepted bucket's tensors (engine names -> replayed tensors, owned by the callee).
+BucketSink = Callable[[dict[str, torch.Tensor]], None]
+
+
 class StagingArea:
     """Receives one version at a time. With `destination` given, replays into those
     (preallocated, engine-owned) tensors instead of allocating new ones."""
@@ -45,26 +56,58 @@ class StagingArea:
         self.plan = plan
         self.destination = destination
         self.version: int | None = None
-        self.attempt = 0
+        self.attempt: int | None = 0
         self._staged: dict[str, torch.Tensor] = {}
         self._arrived: set[str] = set()
         self._buckets: set[int] = set()
         self._lock = threading.Lock()
         self.kv_scales: dict[str, float] | None = None
+        self.on_bucket: BucketSink | None = None
+        self.retain = True
 
-    def begin(self, version: int, attempt: int = 0) -> None:
-        self.version = version
-        self.attempt = attempt
-        self._staged = {}
-        self._arrived = set()
-        self._buckets = set()
-        self.kv_scales = None
+    def begin(self, version: int, attempt: int | None = 0, *, on_bucket: BucketSink | None = None,
+              retain: bool = True) -> None:
+        """Starts receiving `version`. `attempt=None`: the attempt of the first bucket of this
+        version that arrives (see the module docstring)."""
+        with self._lock:
+            self.version = version
+            self.attempt = attempt
+            self._staged = {}
+            self._arrived = set()
+            self._buckets = set()
+            self.kv_scales = None
+            self.on_bucket = on_bucket
+            self.retain = retain or on_bucket is None
 
     # -- validation -------------------------------------------------------------------------
 
     def is_current(self, header: BucketHeader) -> bool:
-        """False for a bucket left over from an abandoned attempt: receivers drop those."""
-        return header.version == self.version and header.attempt == self.attempt
+        """False for a bucket left over from an abandoned attempt (or another version):
+        receivers drop those. With the attempt left open, the first bucket 0 of this version
+        fixes it: every attempt starts at bucket 0, so a later bucket seen first is a leftover of
+        an abandoned attempt (announced before the trainer gave up), never the start of one."""
+        with self._lock:
+            if header.version != self.version:
+                return False
+            if self.attempt is None:
+                if header.index != 0:
+                    return False
+                self.attempt = header.attempt
+            return header.attempt == self.attempt
+
+    def is_newer(self, header: BucketHeader) -> bool:
+        """True for a bucket of a later version, or of a later attempt of this version once the
+        attempt is fixed (attempts only grow): the trainer has moved past what this area
+        receives, so that version can no longer complete. A receiver keeps such a bucket for its
+        next `receive` instead of dropping it as left over (and answering it as delivered)."""
+        with self._lock:
+            if self.version is None or header.version > self.version:
+                return True
+            if header.version < self.version:
+                return False
+            if self.attempt is None:  # not fixed yet: any attempt of this version is current
+                return False
+            return header.attempt > self.attempt
 
     def landing(self, header: BucketHeader) -> dict[str, torch.Tensor]:
         """Where a receiver that reads a bucket off a stream may put tensors' bytes directly
@@ -133,16 +176,23 @@ class StagingArea:
         self.validate(header, payload, landed)
         if header.kv_scales is not None:
             self.kv_scales = dict(header.kv_scales)
-        raw = torch.frombuffer(payload, dtype=torch.uint8) if len(payload) else torch.empty(0, dtype=torch.uint8)
+        # A device payload (a uint8 CUDA tensor: CUDA IPC, NCCL) is replayed on its device.
+        raw = payload if isinstance(payload, torch.Tensor) else (
+            torch.frombuffer(payload, dtype=torch.uint8) if len(payload) else torch.empty(0, dtype=torch.uint8))
+        bucket: dict[str, torch.Tensor] = {}
         for meta in header.tensors:
             entry = self.plan.entries[meta.name]
             flat = landed.get(meta.name) if landed else None
             if flat is not None:
-                self._staged[meta.name] = flat.view(parse_dtype(entry.wire_dtype)).view(entry.shape)
+                bucket[meta.name] = flat.view(parse_dtype(entry.wire_dtype)).view(entry.shape)
                 continue
             wire = raw[meta.offset:meta.offset + meta.nbytes].view(parse_dtype(entry.wire_dtype)).view(entry.shape)
-            for name, tensor in self._replay(entry, wire).items():
-                self._staged[name] = tensor
+            bucket.update(self._replay(entry, wire))
+        if self.on_bucket is not None:
+            # Before the tensors count as arrived: a sink that fails fails the version.
+            self.on_bucket(bucket)
+        if self.retain:
+            self._staged.update(bucket)
         with self._lock:
             self._arrived.update(m.name for m in header.tensors)
             self._buckets.add(header.index)

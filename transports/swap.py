@@ -4,8 +4,15 @@
 adds these methods to every vLLM worker, reached with `collective_rpc`. Each takes at most one
 JSON string argument (a server's `/collective_rpc` passes strings only) and returns a dict.
 
-    swap_init(cfg)         {"plan": RefitPlan json, "root": filesystem root, "strategy":
-                            "pause_swap" | "double_buffer", "timeout_s": ...}
+    swap_init(cfg)         {"plan": RefitPlan json, "strategy": "pause_swap" | "double_buffer",
+                            "timeout_s": ..., "transport": "filesystem" (default) | "collective" |
+                            "ipc" | "http", "options": {...}, "root": filesystem root}.
+                            `options` is what that transport's receiver needs: exactly the
+                            `options` of the trainer's `engine_init_info(engine_index)` (per
+                            engine); for the filesystem, `root` is enough. A push transport's
+                            receiver is built on a thread (a collective one waits for the
+                            trainer's rendezvous) and kept across calls with the same options;
+                            new options close it and build another.
     swap_stage(req)        {"version": v}: starts staging the *committed* version v (its
                             `RUN_ROOT/vNNNNNNNN/COMPLETE` marker written) on a thread pinned off
                             the worker's core and returns at once (the engine keeps generating).
@@ -33,10 +40,25 @@ JSON string argument (a server's `/collective_rpc` passes strings only) and retu
                             the exact token index where each in-flight request switched.
     swap_rollback(req)     double_buffer only: flips back to the previous version.
     swap_confirm()         after a pause-free flip ({"watch": true} to swap_apply/swap_rollback):
-                            {"requests": {id: 0}} for requests first scheduled after the flip
+                            {"requests": {id: 0}} for requests first scheduled after the flip,
+                            {"cached": {id: prompt tokens from the prefix cache}} for those of
+                            them that hit it
     swap_load_dir(req)     {"path": dir}: load every safetensors file there into the live
                             weights (the load-in-pause baseline of `inflight bench activation`)
     swap_requests()        {request id: output tokens so far}
+
+One staging path for every transport: the staging thread receives through the transport's
+receiver (`transports.endpoint.make_receiver`) into a `StagingArea`
+(`transports.endpoint.receive_version`, the same code the `apply_on_finish` endpoint uses). For
+a push transport (collective, ipc, http) it waits, bounded by `timeout_s`, for the trainer's
+sender, which `sync_weights()` drives; the version goes live only when the fleet flips it on
+every engine. With double buffering each bucket is loaded into the shadow as soon as it is
+accepted (`transports.shadow.BucketwiseReload`), while the receiver reads the next one. After a
+failed version a collective group whose own transfer failed (a timeout, a broken peer) is
+marked broken, and only a fresh rendezvous (`swap_init` with the trainer's new options) brings it
+back; http and ipc keep their receiver (it frees what the failed version left queued and skips
+buckets of another version or attempt; the trainer's kept-alive http connection and ipc
+identity stay valid, which a rebuilt receiver would break).
 
 Double buffering keeps a second, engine-ready copy of the model (a "shadow", see
 `transports.shadow`) and loads a new version into it with vLLM's own layerwise reload, so every
@@ -59,20 +81,25 @@ from typing import Any
 import torch
 
 from transports.lora import load_safetensors_dir, merge_lora
+from transports.receiver_link import ReceiverLink, link_key
 from transports.shadow import (  # re-exported: importable from `transports.swap` as before
+    BucketwiseReload,
     clone_for_shadow,
     flip,
     module_pairs,
+    offload_current_thread,
     reload_into,
     share_reload_metadata,
     staging_cpus,
 )
+from transports.stager import Stager, StagingDropped
 from transports.vllm_backend import InflightWorkerExtension
 
 __all__ = ["STRATEGIES", "SwapWorkerExtension", "clone_for_shadow", "flip", "load_safetensors_dir", "merge_lora",
            "module_pairs", "reload_into", "share_reload_metadata", "staging_cpus"]
 
 STRATEGIES = ("pause_swap", "double_buffer")
+TRANSPORTS = ("filesystem", "collective", "ipc", "http")
 #: How long `swap_stage` waits for a dropped staging thread to end before refusing.
 DEFAULT_JOIN_S = 2.0
 
@@ -85,49 +112,6 @@ def _parse(arg: Any) -> dict:
     return json.loads(arg)
 
 
-class StagingDropped(Exception):
-    """A staging thread noticed that its stage was dropped; it stops before writing anything."""
-
-
-class _Stager:
-    """One version being staged on a thread; its state is read by `swap_status`."""
-
-    def __init__(self) -> None:
-        # Re-entrant: swap_drop answers with snapshot() while it holds the lock (a plain Lock
-        # deadlocked the worker there: every later RPC and forward pass waited forever).
-        self.lock = threading.RLock()
-        self.state = "idle"
-        self.version: int | None = None
-        self.attempt: int | None = 0
-        self.error: str | None = None
-        self.seconds = 0.0
-        self.thread: threading.Thread | None = None
-        self.generation = 0  # bumped by drop(): a thread of an older generation discards its result
-        self.cancel = threading.Event()  # set by drop(): the current thread stops at its next check
-
-    def snapshot(self) -> dict:
-        with self.lock:
-            return {"state": self.state, "version": self.version, "attempt": self.attempt,
-                    "error": self.error, "seconds": round(self.seconds, 4)}
-
-    def check(self, generation: int) -> None:
-        """Raises `StagingDropped` when the stage of `generation` was dropped meanwhile."""
-        with self.lock:
-            if self.generation != generation:
-                raise StagingDropped()
-
-    def wait_previous(self, join_s: float) -> None:
-        """Waits (at most `join_s`) for the previous staging thread to end; refuses while it
-        lives: two threads must never write one shadow."""
-        thread = self.thread
-        if thread is None or thread is threading.current_thread():
-            return
-        thread.join(max(0.0, join_s))
-        if thread.is_alive():
-            raise RuntimeError(f"previous staging still running (version {self.version}, thread {thread.name}); "
-                               f"waited {join_s:g} s")
-
-
 class SwapWorkerExtension(InflightWorkerExtension):
     """See the module docstring."""
 
@@ -135,9 +119,9 @@ class SwapWorkerExtension(InflightWorkerExtension):
     def _swap(self) -> dict:
         state = self.__dict__.get("_inflight_swap")
         if state is None:
-            state = {"stager": _Stager(), "cfg": None, "plan": None, "staged": None, "shadow": None,
+            state = {"stager": Stager(), "cfg": None, "plan": None, "staged": None, "shadow": None,
                      "shadow_version": None, "live_version": 0, "previous": None,
-                     "worker_cpus": set(os.sched_getaffinity(0)), "lora": {}}
+                     "worker_cpus": set(os.sched_getaffinity(0)), "lora": {}, "link": None}
             self.__dict__["_inflight_swap"] = state
         return state
 
@@ -156,12 +140,29 @@ class SwapWorkerExtension(InflightWorkerExtension):
         strategy = config.get("strategy", "pause_swap")
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+        transport = config.get("transport") or "filesystem"
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         s["cfg"] = config
         s["plan"] = RefitPlan.decode(config["plan"]) if config.get("plan") else None
         s["live_version"] = int(config.get("live_version", s["live_version"]))
         if strategy != "double_buffer":
             s["shadow"] = None
-        return {"strategy": strategy, "worker_cpus": sorted(s["worker_cpus"]),
+        link: ReceiverLink | None = s["link"]
+        if transport == "filesystem":
+            if link is not None:
+                link.close()
+            s["link"] = None
+        else:
+            if s["plan"] is None:
+                raise ValueError(f"the {transport} transport needs the refit plan")
+            options = dict(config.get("options") or {})
+            if link is None or link.key != link_key(transport, options, s["plan"]):
+                if link is not None:
+                    link.close()
+                s["link"] = ReceiverLink(transport, options, s["plan"], int(getattr(self, "rank", 0) or 0),
+                                  s["worker_cpus"])
+        return {"strategy": strategy, "transport": transport, "worker_cpus": sorted(s["worker_cpus"]),
                 "staging_cpus": sorted(staging_cpus(s["worker_cpus"]))}
 
     # -- staging -----------------------------------------------------------------------------
@@ -170,7 +171,7 @@ class SwapWorkerExtension(InflightWorkerExtension):
         if s["cfg"] is None:
             raise RuntimeError("swap_init was not called")
         request = _parse(req)
-        stager: _Stager = s["stager"]
+        stager: Stager = s["stager"]
         with stager.lock:
             if stager.state == "staging":
                 raise RuntimeError(f"version {stager.version} is still being staged")
@@ -189,40 +190,45 @@ class SwapWorkerExtension(InflightWorkerExtension):
             s["staged"] = None
             if s["cfg"].get("strategy") == "double_buffer" and not request.get("rollback"):
                 s["shadow_version"] = None  # about to be overwritten: no longer a rollback target
-            thread = threading.Thread(target=self._stage_thread, args=(generation, dict(request), stager.cancel),
+            thread = threading.Thread(target=self._stage_thread,
+                                      args=(generation, dict(request), stager.cancel, s["cfg"]),
                                       name=f"inflight-stage-{request['version']}", daemon=True)
             stager.thread = thread
         thread.start()
         return stager.snapshot()
 
-    def _stage_thread(self, generation: int, request: dict, cancel: threading.Event) -> None:
+    def _stage_thread(self, generation: int, request: dict, cancel: threading.Event, cfg: dict | None = None) -> None:
+        """`cfg`: the configuration `swap_stage` saw. A `swap_init` while this runs (another
+        strategy, transport or plan) fails the stage: what it staged (raw tensors, or nothing
+        beyond the shadow) was prepared for the old configuration, and `swap_apply` under the
+        new one would label the live weights with a version they do not hold."""
         s = self._swap()
-        stager: _Stager = s["stager"]
+        stager: Stager = s["stager"]
         started = time.perf_counter()
         try:
-            try:
-                os.sched_setaffinity(0, staging_cpus(s["worker_cpus"]))  # this thread only (Linux)
-                # below the engine's own threads where they share a core (front end, engine core)
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-            except (OSError, AttributeError):
-                pass
+            offload_current_thread(s["worker_cpus"])
             delay = float(s["cfg"].get("stage_delay_s", 0.0))  # test hook: a slow transfer
             if delay and cancel.wait(delay):
                 raise StagingDropped()
+            in_shadow = False
             if request.get("lora_dir"):
                 weights = merge_lora(request["base_dir"], request["lora_dir"], self._model_config().dtype)
             else:
                 attempt = request.get("attempt")
-                weights = self._receive(int(request["version"]), None if attempt is None else int(attempt),
-                                        generation)
+                weights, in_shadow = self._receive(int(request["version"]),
+                                                   None if attempt is None else int(attempt), generation, cancel)
             stager.check(generation)  # dropped while receiving: leave the shadow alone
             prepared: Any = weights
             if s["cfg"].get("strategy") == "double_buffer":
-                self._prepare_shadow(weights)
+                if not in_shadow:
+                    self._prepare_shadow(weights)
                 prepared = None
             with stager.lock:
                 if stager.generation != generation:
                     return  # dropped meanwhile
+                if cfg is not None and s["cfg"] is not cfg:
+                    raise RuntimeError(f"swap_init changed the configuration while version {request['version']} "
+                                       "was being staged; stage it again")
                 s["staged"] = prepared
                 if s["cfg"].get("strategy") == "double_buffer":
                     s["shadow_version"] = int(request["version"])
@@ -237,41 +243,77 @@ class SwapWorkerExtension(InflightWorkerExtension):
                     stager.error = f"{type(exc).__name__}: {exc}"
                     stager.seconds = time.perf_counter() - started
 
-    def _receive(self, version: int, attempt: int | None, generation: int | None = None) -> dict[str, torch.Tensor]:
-        """Receives `version` through the filesystem transport and returns it once committed.
-        `attempt=None`: the committed attempt (read from the committed files)."""
-        from transports.filesystem import FilesystemReceiver
+    def _receive(self, version: int, attempt: int | None, generation: int | None = None,
+                 cancel: threading.Event | None = None) -> tuple[dict[str, torch.Tensor], bool]:
+        """Receives `version` through the configured transport (`receive_version`, the one
+        staging path). Filesystem: `attempt=None` stages the committed attempt (read from the
+        committed files), and the version counts only once committed. Push transports:
+        `attempt=None` takes the attempt of the first bucket of `version` that arrives. With
+        double buffering every bucket is loaded into the shadow as it is accepted; returns
+        (the staged tensors, or {} when they went to the shadow; whether they did)."""
+        from transports.endpoint import make_receiver, receive_version
         from transports.staging import StagingArea
 
         s = self._swap()
         plan = s["plan"]
         if plan is None:
             raise RuntimeError("swap_init carried no refit plan")
-        stager: _Stager = s["stager"]
-        receiver = FilesystemReceiver(s["cfg"]["root"], arena_bytes=plan.arena_bytes,
-                                      timeout_s=float(s["cfg"].get("timeout_s", 60.0)))
-        try:
-            if attempt is None:
-                attempt = receiver.committed_attempt(version)
-                with stager.lock:
-                    if generation is None or stager.generation == generation:
-                        stager.attempt = attempt
-            staging = StagingArea(plan)
-            staging.begin(version, attempt)
-            receiver.receive(version, staging, committed=True)
-        finally:
-            receiver.close()
-        return staging.finish()
+        stager: Stager = s["stager"]
+        cfg = s["cfg"]
+        timeout_s = float(cfg.get("timeout_s", 60.0))
+        loader: BucketwiseReload | None = None
+        # Bucket by bucket into the shadow through the model's own `load_weights` (every vLLM
+        # model has one); a module without it is loaded whole once the version arrived.
+        if cfg.get("strategy") == "double_buffer" and hasattr(self._live_model(), "load_weights"):
+            loader = BucketwiseReload(self._ensure_shadow(), self._model_config(), cancel)
+        sink = {"on_bucket": loader.load if loader is not None else None, "retain": loader is None}
+        staging = StagingArea(plan)
 
-    def _prepare_shadow(self, weights: dict[str, torch.Tensor]) -> None:
+        def note_attempt(value: int | None) -> None:
+            with stager.lock:
+                if generation is None or stager.generation == generation:
+                    stager.attempt = value
+
+        try:
+            link: ReceiverLink | None = s["link"]
+            if link is None:
+                receiver = make_receiver("filesystem", plan, {"root": cfg["root"], "timeout_s": timeout_s})
+                try:
+                    if attempt is None:
+                        attempt = receiver.committed_attempt(version)
+                        note_attempt(attempt)
+                    weights = receive_version(receiver, staging, version, attempt, committed=True, **sink)
+                finally:
+                    receiver.close()
+            else:
+                receiver = link.get(timeout_s)
+                try:
+                    weights = receive_version(receiver, staging, version, attempt, **sink)
+                except BaseException as exc:
+                    link.failed(exc)
+                    raise
+                note_attempt(staging.attempt)
+            if loader is not None:
+                loader.finish()
+        except BaseException:
+            if loader is not None:
+                loader.abort()
+            raise
+        return weights, loader is not None
+
+    def _ensure_shadow(self) -> torch.nn.Module:
         s = self._swap()
-        live = self._live_model()
         if s["shadow"] is None:
+            live = self._live_model()
             shadow = clone_for_shadow(live)
             share_reload_metadata(live, shadow)
             s["shadow"] = shadow
+        return s["shadow"]
+
+    def _prepare_shadow(self, weights: dict[str, torch.Tensor]) -> None:
+        shadow = self._ensure_shadow()
         with torch.no_grad():
-            reload_into(s["shadow"], weights, self._model_config())
+            reload_into(shadow, weights, self._model_config())
 
     def swap_status(self) -> dict:
         return self._swap()["stager"].snapshot()
@@ -282,7 +324,7 @@ class SwapWorkerExtension(InflightWorkerExtension):
         staging thread still running stops at its next check (it never writes the shadow after
         it); `swap_stage` waits for it to end before starting another."""
         s = self._swap()
-        stager: _Stager = s["stager"]
+        stager: Stager = s["stager"]
         with stager.lock:
             if version is not None and stager.version is not None and stager.version != int(version):
                 return stager.snapshot()
@@ -305,34 +347,38 @@ class SwapWorkerExtension(InflightWorkerExtension):
         even if the engine still labelled their first tokens with the old version."""
         s = self._swap()
         runner = self.model_runner
-        if "execute_model" in runner.__dict__:
-            s["watch"] = set()
+        if getattr(runner.execute_model, "inflight_watch", False):  # wrapped by an earlier flip
+            s["watch"] = {}
             return
         original = runner.execute_model
-        s["watch"] = set()
+        s["watch"] = {}
 
         def execute_model(scheduler_output, *args, **kwargs):
             seen = s.get("watch")
             if seen is not None:
                 for new in getattr(scheduler_output, "scheduled_new_reqs", ()) or ():
-                    seen.add(new.req_id)
+                    # prompt tokens whose keys/values came from the prefix cache: computed
+                    # before the flip or after it, which the worker cannot tell
+                    seen.setdefault(new.req_id, int(getattr(new, "num_computed_tokens", 0) or 0))
             return original(scheduler_output, *args, **kwargs)
 
+        execute_model.inflight_watch = True
         runner.execute_model = execute_model
 
     def swap_confirm(self) -> dict:
-        """Ends the watch started by a pause-free flip: {request id: 0} for each request
-        first scheduled after the flip."""
+        """Ends the watch started by a pause-free flip: {"requests": {request id: 0}} for each
+        request first scheduled after the flip, and {"cached": {request id: prompt tokens taken
+        from the prefix cache}} for those of them that hit it."""
         s = self._swap()
-        seen = s.get("watch") or set()
+        seen = s.get("watch") or {}
         s["watch"] = None
-        return {"requests": {rid: 0 for rid in seen}}
+        return {"requests": {rid: 0 for rid in seen}, "cached": {rid: n for rid, n in seen.items() if n}}
 
     def swap_apply(self, req: str = "") -> dict:
         s = self._swap()
         if _parse(req).get("watch"):
             self._watch_new_requests()
-        stager: _Stager = s["stager"]
+        stager: Stager = s["stager"]
         with stager.lock:
             if stager.state != "staged":
                 raise RuntimeError(f"nothing staged (state {stager.state}, version {stager.version})")

@@ -10,11 +10,18 @@ over any sender and vLLM's control plane.
     prepare_refit_info()           {hf_name: (shape, dtype)} the producer packs and the consumer unpacks
 
 
-Per version, for every engine: `start_weight_update()`, then `update_weights({"version": v})`
+Two ways to make a version live. Simple mode (engines given, `apply_on_finish`): per version, for
+every engine: `start_weight_update()`, then `update_weights({"version": v})`
 on a thread (its receiver waits for the buckets) while this thread packs and sends them, then
 `finish_weight_update(str(v))`. If any engine fails, the others are told to discard the
 version (`update_weights({"version": v, "discard": True})`) before finishing, so no engine
-makes it live. Colocated transports run the device hand-over hooks around the refit.
+makes it live. Each engine makes it live at its own moment: this mode is NOT atomic across
+engines (a request on one engine may sample v while another still samples v-1). Coordinated
+mode (no engines given: `create_weight_synchronizer(engines=[], engine_count=n, ...)`):
+`sync_weights()` only sends; every engine stages what arrives through its swap worker
+extension (`transports.swap`, the same staging path) and `orchestrator.fleet.Fleet.activate`
+makes the version live on every engine at one instant. Colocated transports run the device
+hand-over hooks around the refit.
 """
 
 from __future__ import annotations
@@ -193,6 +200,7 @@ class TransportSynchronizer(WeightSynchronizer):
         hooks: DeviceHandoverHooks | None = None,
         forwards_kv_scales: bool = False,
         apply_on_finish: bool = True,
+        sender_factory: Callable[[], BucketSender] | None = None,
     ):
         super().__init__(plan, state_dict)
         self.transport_name = transport_name
@@ -206,6 +214,8 @@ class TransportSynchronizer(WeightSynchronizer):
         self._connected = False
         self._attempt = 0
         self._arenas = None
+        self._sender_factory = sender_factory
+        self._excluded: set[int] = set()  # engine indices left out of every version (exclude_engine)
 
     @property
     def colocated(self) -> bool:
@@ -218,11 +228,53 @@ class TransportSynchronizer(WeightSynchronizer):
 
     def init_communicator(self) -> None:
         calls = [lambda e=e, i=i: e.init_weight_transfer_engine(self.engine_init_info(i))
-                 for i, e in enumerate(self.engines)]
+                 for i, e in enumerate(self.engines) if i not in self._excluded]
         run_alongside(calls, self.sender.connect, self.timeout_s, "init_weight_transfer_engine")
         self._connected = True
         log.info("synchronizer.ready", transport=self.transport_name, engines=len(self.engines),
                  buckets=self.plan.bucket_count, wire_bytes=self.plan.wire_bytes)
+
+    def exclude_engine(self, engine_index: int) -> None:
+        """Leave engine `engine_index` out of every version from the next one on: an engine the
+        fleet fenced (dead, or out of step) must not fail every later `sync_weights` of the
+        others (ipc awaits each engine's acknowledgement, http each engine's answer). The
+        filesystem needs nothing (engines read committed versions at their own pace); the
+        collective broadcasts to every rank of its group, so it refuses: `reconnect()` with a
+        group of the engines left is the way there. Call between versions."""
+        self._set_excluded(engine_index, True)
+
+    def include_engine(self, engine_index: int) -> None:
+        """Send to engine `engine_index` again from the next version on (a restarted engine;
+        its receiver connects again with the same `engine_init_info(i)`)."""
+        self._set_excluded(engine_index, False)
+
+    def _set_excluded(self, engine_index: int, excluded: bool) -> None:
+        if self.transport_name != "filesystem":
+            method = getattr(self.sender, "exclude" if excluded else "include", None)
+            if method is None:
+                raise TransportConfigError(
+                    f"the {self.transport_name} transport cannot leave an engine out of a version: it sends "
+                    "to every rank of its group at once; reconnect() with a group of the engines left")
+            method(engine_index)
+        elif engine_index < 0:
+            raise TransportError(f"engine index {engine_index} is negative")
+        if excluded:
+            self._excluded.add(engine_index)  # its update session (apply_on_finish) is skipped too
+        else:
+            self._excluded.discard(engine_index)
+
+    def reconnect(self) -> None:
+        """Replaces the sender with a fresh one (a collective group broken by a failed version
+        needs a new rendezvous); call `init_communicator()` next, while the engines are handed
+        the new `engine_init_info(i)` (a fleet: `Fleet.setup(..., engine_options=...)`)."""
+        if self._sender_factory is None:
+            raise TransportConfigError("this synchronizer was built without a sender factory")
+        self.sender.close()
+        self.sender = self._sender_factory()
+        self._connected = False
+        exclude = getattr(self.sender, "exclude", None)
+        for index in sorted(self._excluded) if exclude is not None else ():
+            exclude(index)  # the engines left out stay out
 
     def _transfer(self, version: int, kv_scales: dict[str, float] | None) -> None:
         if not self._connected:
@@ -239,18 +291,19 @@ class TransportSynchronizer(WeightSynchronizer):
                                  arenas=self._pack_arenas(), attempt=self._attempt,
                                  hold=getattr(self.sender, "in_flight", 0))
         # closing(): on a failed send the packing thread stops now, before the arenas are reused.
+        engines = self._active_engines()
         with contextlib.closing(buckets):
-            for engine in self.engines:
+            for engine in engines:
                 engine.start_weight_update()
             info = {"version": version, "attempt": self._attempt}
-            calls = [lambda e=e: e.update_weights(info) for e in self.engines]
+            calls = [lambda e=e: e.update_weights(info) for e in engines]
             try:
                 run_alongside(calls, lambda: self._send(version, buckets), self.timeout_s, "update_weights")
             except BaseException:
                 buckets.close()
                 self._discard(version)
                 raise
-        for engine in self.engines:
+        for engine in engines:
             engine.finish_weight_update(str(version))
         if self.hooks:
             self.hooks.run("prepare_for_generation")
@@ -277,9 +330,12 @@ class TransportSynchronizer(WeightSynchronizer):
                 self.sender.send(header, payload)
         self.sender.commit(version)
 
+    def _active_engines(self) -> list[EngineWeightControl]:
+        return [e for i, e in enumerate(self.engines) if i not in self._excluded]
+
     def _discard(self, version: int) -> None:
         """Closes every engine's update session without making the version live."""
-        for engine in self.engines:
+        for engine in self._active_engines():
             try:
                 engine.update_weights({"version": version, "discard": True})
             except Exception:

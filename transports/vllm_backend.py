@@ -12,6 +12,13 @@ vLLM's own calls drive them, in-process (`vllm.LLM`) and over HTTP (dev endpoint
     update_weights({"version": v, "attempt": a})                  whole version -> staging, validated
     finish_weight_update()                                        staged -> live (layerwise reload)
 
+This is the simple mode, for users without a fleet: each engine makes a version live at its own
+`finish_weight_update`, so it is NOT atomic across engines (for a while one engine samples the
+new version and another the old, and no token records which). The coordinated path receives
+through the same code (`transports.endpoint.receive_version`) from the swap worker extension's
+staging thread (`transports.swap`), and `orchestrator.fleet.Fleet.activate` flips every engine at
+one instant.
+
 A version that fails in `update_weights` never reaches the model, so the engine keeps serving
 its old weights. Making staged weights live goes through vLLM's layerwise reload
 (`initialize_layerwise_reload` / `model.load_weights` / `finalize_layerwise_reload`), which
@@ -92,10 +99,14 @@ class InflightWeightTransferEngine(WeightTransferEngine[InflightInitInfo, Inflig
     def _apply(self, staged: dict[str, torch.Tensor]) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
+        from transports.cpu_reload import cpu_moe_layers_written, repair_cpu_reload
+
         device_tensors = ((name, t.to(self.device, non_blocking=True)) for name, t in staged.items())
         initialize_layerwise_reload(self.model)
         self.model.load_weights(device_tensors)
+        moe = cpu_moe_layers_written(self.model)  # vLLM 0.32 CPU reload defects: see transports.cpu_reload
         finalize_layerwise_reload(self.model, self.model_config)
+        repair_cpu_reload(self.model, moe)
 
     def shutdown(self) -> None:
         self.endpoint.shutdown()

@@ -76,3 +76,13 @@ def _pick_crc() -> Callable[[Any], int]:
 
 
 _crc = _pick_crc()
+
+
+def checksum_update(data: memoryview | bytes, value: int = 0) -> int:
+    """The running checksum after `data`, for bytes that arrive (or are read) in pieces; start
+    at 0 and finish with `checksum_final`: the result equals `checksum` of all the pieces."""
+    return _crc(data, value)
+
+
+def checksum_final(value: int) -> int:
+    return (value & 0xFFFFFFFF) or 1

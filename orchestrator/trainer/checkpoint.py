@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -87,6 +88,19 @@ def save(run_dir: str | os.PathLike, model, optimizer, meta: CheckpointMeta, kee
     import torch
     from safetensors.torch import save_model
 
+    def write_state(tmp: Path) -> None:
+        save_model(model, str(tmp / MODEL_FILE))
+        torch.save({"optimizer": optimizer.state_dict(), "torch_rng": torch.get_rng_state()}, tmp / OPTIMIZER_FILE)
+
+    return _write_checkpoint(run_dir, meta, keep, write_state)
+
+
+def _write_checkpoint(run_dir: str | os.PathLike, meta: CheckpointMeta, keep: int,
+                      write_state: Callable[[Path], None]) -> Path:
+    """The one way a checkpoint reaches disk: `write_state(tmp)` writes the model and optimizer
+    files into a temporary directory, the meta follows, every file and the directory are
+    fsynced, and only then is it renamed into place (a crash leaves either no checkpoint of
+    meta.step or a whole one); the newest `keep` are kept."""
     final = checkpoint_dir(run_dir, meta.step)
     if final.exists():
         # Only the checkpoint resumed from could be there, and that step is never redone.
@@ -96,8 +110,7 @@ def save(run_dir: str | os.PathLike, model, optimizer, meta: CheckpointMeta, kee
     tmp = root / f".tmp-{final.name}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    save_model(model, str(tmp / MODEL_FILE))
-    torch.save({"optimizer": optimizer.state_dict(), "torch_rng": torch.get_rng_state()}, tmp / OPTIMIZER_FILE)
+    write_state(tmp)
     (tmp / META_FILE).write_bytes(msgspec.json.encode(meta))
     for name in (MODEL_FILE, OPTIMIZER_FILE, META_FILE):
         _fsync(tmp / name)
@@ -109,7 +122,8 @@ def save(run_dir: str | os.PathLike, model, optimizer, meta: CheckpointMeta, kee
 
 
 def load(run_dir: str | os.PathLike, step: int, model, optimizer) -> CheckpointMeta:
-    """Restore model, optimizer and torch RNG from the checkpoint of `step`."""
+    """Restore model, optimizer and torch RNG from the checkpoint of `step` (written by a trainer
+    of any world size)."""
     import torch
     from safetensors.torch import load_model
 
@@ -120,9 +134,93 @@ def load(run_dir: str | os.PathLike, step: int, model, optimizer) -> CheckpointM
         raise CheckpointError(f"checkpoint {path}: weights do not fit the model "
                               f"(missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})")
     state = torch.load(path / OPTIMIZER_FILE, weights_only=True)
-    optimizer.load_state_dict(state["optimizer"])
+    # Written under torchrun: keyed by parameter name.
+    optimizer.load_state_dict(_by_index(model, state[FQN_OPTIMIZER]) if FQN_OPTIMIZER in state else state["optimizer"])
     torch.set_rng_state(state["torch_rng"])
     return meta
+
+
+# -- under torchrun (FSDP2): the same files, gathered to rank 0 --------------------------------
+
+# optimizer.pt key of the optimizer state keyed by parameter name (what a sharded optimizer's
+# full state dict is); a single-process trainer's "optimizer" is keyed by parameter index.
+FQN_OPTIMIZER = "optimizer_by_name"
+
+
+def save_full(run_dir: str | os.PathLike, model, optimizer, meta: CheckpointMeta, keep: int, rank: int) -> Path | None:
+    """`save` for an FSDP2 model: every rank calls it (the gather is collective); rank 0 gathers
+    the full model and optimizer state (to CPU, the other ranks get nothing) and writes the same
+    files as a single-process trainer, so a checkpoint resumes at any world size. Returns the
+    directory on rank 0, None elsewhere."""
+    import torch
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_state = get_model_state_dict(model, options=options)
+    optim_state = get_optimizer_state_dict(model, optimizer, options=options)
+    if rank != 0:
+        return None
+
+    def write_state(tmp: Path) -> None:
+        # save_model's convention: the second name of a shared tensor (tied lm_head) is left out.
+        tensors = {k: v.contiguous() for k, v in model_state.items() if not _tied(model, k)}
+        save_file(tensors, str(tmp / MODEL_FILE), metadata={"format": "pt"})
+        torch.save({FQN_OPTIMIZER: optim_state, "torch_rng": torch.get_rng_state()}, tmp / OPTIMIZER_FILE)
+
+    return _write_checkpoint(run_dir, meta, keep, write_state)
+
+
+def load_full(run_dir: str | os.PathLike, step: int, model, optimizer, rank: int) -> CheckpointMeta:
+    """`load` for an FSDP2 model: every rank calls it; rank 0 reads the files and the state is
+    broadcast to the others, each keeping its shards (the run directory need not be shared).
+    Reads checkpoints written at any world size."""
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    path = checkpoint_dir(run_dir, step)
+    meta = read_meta(run_dir, step) if rank == 0 else None
+    model_state: dict = {}
+    optim_state: dict = {}
+    rng = [None]
+    if rank == 0:
+        model_state = load_file(str(path / MODEL_FILE))
+        expected = set(model.state_dict())
+        for name in expected - set(model_state):
+            if _tied(model, name):
+                model_state[name] = model_state["model.embed_tokens.weight"]
+        missing, unexpected = expected - set(model_state), set(model_state) - expected
+        if missing or unexpected:
+            raise CheckpointError(f"checkpoint {path}: weights do not fit the model "
+                                  f"(missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})")
+        state = torch.load(path / OPTIMIZER_FILE, weights_only=True)
+        optim_state = state[FQN_OPTIMIZER] if FQN_OPTIMIZER in state else _by_name(model, state["optimizer"])
+        rng = [state["torch_rng"]]
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, model_state, options=options)
+    set_optimizer_state_dict(model, optimizer, optim_state, options=options)
+    box = [meta, rng[0]]
+    dist.broadcast_object_list(box, src=0)
+    torch.set_rng_state(box[1])
+    return box[0]
+
+
+def _by_name(model, state: dict) -> dict:
+    """A single-process optimizer state (keyed by parameter index, in model.parameters() order,
+    which the trainer's optimizer was built from) keyed by parameter name instead."""
+    names = [name for name, _ in model.named_parameters()]
+    return {"state": {names[i]: s for i, s in state["state"].items()},
+            "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]}
 
 
 def _tied(model, name: str) -> bool:
@@ -164,3 +262,13 @@ def consumption_of(run_dir: str | os.PathLike, step: int):
                     metrics=dict(c.metrics), seconds=0.0, rollout_ids=list(c.rollout_ids),
                     advantages=f32(c.advantages), log_ratio_mean=f32(c.log_ratio_mean),
                     log_ratio_max_abs=f32(c.log_ratio_max_abs))
+
+
+def _by_index(model, state: dict) -> dict:
+    """The inverse of `_by_name`: what a single-process optimizer's load_state_dict takes."""
+    index = {name: i for i, (name, _) in enumerate(model.named_parameters())}
+    unknown = sorted(set(state["state"]) - set(index))
+    if unknown:
+        raise CheckpointError(f"optimizer state for parameters the model does not have: {unknown[:3]}")
+    return {"state": {index[n]: s for n, s in state["state"].items()},
+            "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]]}

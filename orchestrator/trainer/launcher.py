@@ -1,13 +1,19 @@
 """The orchestrator's side of the trainer: start its process, speak the link, stop it.
 
 The trainer runs in its own process (`python -m orchestrator.trainer.process`), its output in
-RUN_DIR/trainer.log. Only its rank 0 speaks the link, so a torchrun trainer fits the same seam.
+RUN_DIR/trainer.log. With trainer.world_size = N > 1 (or trainer.torchrun_args) it runs under
+torchrun itself, `python -m torch.distributed.run --nproc-per-node N --master-addr 127.0.0.1
+--master-port PORT [torchrun_args] -m orchestrator.trainer.process ...`: only its rank 0 speaks
+the link, so the seam is the same. torchrun then runs in its own session, so that a trainer
+that must be killed is killed with every rank (`TrainerProcess.kill`: torchrun gives each rank
+a session of its own, so the agent's process group alone is not enough).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -33,26 +39,28 @@ class TrainerProcess:
         self.resume = resume
         self.link = TrainerLink()
         self.process: subprocess.Popen | None = None
+        self.group = False  # torchrun in its own session (killed with every rank: kill())
+        # The process whose exit the trainer watches for (`--orchestrator-pid`): this one.
+        self.orchestrator_pid = os.getpid()
         self.ready: Ready | None = None
 
     async def start(self) -> Ready:
         address = self.link.bind()
         log_file = open(self.run_dir / "trainer.log", "ab")  # noqa: SIM115 - owned by the child
-        cmd = [sys.executable, "-m", "orchestrator.trainer.process", "--connect", address,
-               "--run-dir", str(self.run_dir), "--model", str(self.model_dir),
-               "--config-json", msgspec.json.encode(self.config).decode()]
-        if self.resume:
-            cmd.append("--resume")
+        cmd = trainer_command(self.config.trainer, address, self.run_dir, self.model_dir,
+                              msgspec.json.encode(self.config).decode(), resume=self.resume,
+                              orchestrator_pid=self.orchestrator_pid)
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")
-        self.process = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env)
+        self.group = self.config.trainer.torchrun
+        if self.group:
+            # The whole argv (--resume included), the configuration's JSON named by its file.
+            at = cmd.index("--config-json") + 1
+            log.info("trainer.command", argv=[*cmd[:at], "$(cat RUN_DIR/config.json)", *cmd[at + 1:]])
+        self.process = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env,
+                                        start_new_session=self.group)
         log_file.close()
-        timeout = self.config.trainer.start_timeout_s
-        try:
-            message = await self.link.recv(timeout)
-        except TimeoutError:
-            raise TrainerError(f"the trainer did not report ready within {timeout}s; see "
-                               f"{self.run_dir / 'trainer.log'}") from None
+        message = await self._first_message(self.config.trainer.start_timeout_s)
         if not isinstance(message, Ready):
             raise TrainerError(f"the trainer's first message was {type(message).__name__}: "
                                f"{getattr(message, 'error', message)}; see {self.run_dir / 'trainer.log'}")
@@ -60,6 +68,27 @@ class TrainerProcess:
         log.info("trainer.ready", step=message.step, version=message.version, pid=message.pid,
                  resumed=message.resumed)
         return message
+
+    async def _first_message(self, timeout: float):
+        """The trainer's first message, within `timeout`; a trainer that exits first fails at
+        once (under torchrun a rank that fails takes rank 0 down with SIGTERM, before it can say
+        Failed), not after the whole start-up timeout."""
+        deadline = anyio.current_time() + timeout
+        while True:
+            left = deadline - anyio.current_time()
+            if left <= 0:
+                raise TrainerError(f"the trainer did not report ready within {timeout}s; see "
+                                   f"{self.run_dir / 'trainer.log'}")
+            try:
+                return await self.link.recv(min(1.0, left))
+            except TimeoutError:
+                if self.alive:
+                    continue
+            try:  # a last message (Failed) sent just before it exited
+                return await self.link.recv(0.2)
+            except TimeoutError:
+                raise TrainerError(f"the trainer exited (code {self.process.returncode}) before it reported "
+                                   f"ready; see {self.run_dir / 'trainer.log'}") from None
 
     @property
     def alive(self) -> bool:
@@ -79,6 +108,90 @@ class TrainerProcess:
                         await anyio.sleep(0.05)
                 if self.alive:
                     log.warning("trainer.killed", reason="did not stop in time")
-                    self.process.send_signal(signal.SIGKILL)
+                    self.kill()
                     await anyio.to_thread.run_sync(self.process.wait)
             self.link.close()
+
+    def kill(self) -> None:
+        """SIGKILL the trainer: under torchrun its agent and every rank. torchrun starts each
+        rank in a session of its own (`start_new_session=True` in its SubprocessHandler), so
+        killing the agent's process group alone would leave the ranks running, re-parented:
+        the agent is stopped first (it can start nothing more), its descendants listed, then
+        every one of their process groups is killed, the agent's last."""
+        if self.process is None:
+            return
+        if not self.group:
+            self.process.send_signal(signal.SIGKILL)
+            return
+        if self.process.poll() is not None:
+            return  # the agent exited and was reaped: its pid (and group id) may name another now
+        agent = self.process.pid
+        try:
+            os.killpg(agent, signal.SIGSTOP)
+        except ProcessLookupError:
+            pass
+        own = os.getpgrp()
+        groups = []
+        for pid in descendants(agent):
+            try:
+                pgid = os.getpgid(pid)
+            except ProcessLookupError:
+                continue
+            if pgid not in (own, agent) and pgid not in groups:
+                groups.append(pgid)
+        for pgid in [*groups, agent]:
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below `pid` (children first), from /proc's parent links."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # exited meanwhile
+        if fields[0] != "Z":
+            children.setdefault(int(fields[1]), []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(0), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+_MASTER_FLAGS = ("--master-addr", "--master-port", "--rdzv-endpoint", "--rdzv-backend", "--standalone")
+
+
+def trainer_command(tc, address: str, run_dir, model_dir, config_json: str, *, resume: bool,
+                    orchestrator_pid: int | None = None) -> list[str]:
+    """The trainer's argv: one process, or torchrun with tc.world_size ranks on this host
+    (its rendezvous on 127.0.0.1 and a free port unless tc.torchrun_args names one)."""
+    if tc.torchrun:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={tc.world_size}"]
+        named = {a.split("=", 1)[0].replace("_", "-") for a in tc.torchrun_args}
+        if not named & set(_MASTER_FLAGS):
+            cmd += ["--master-addr=127.0.0.1", f"--master-port={_free_port()}"]
+        cmd += list(tc.torchrun_args) + ["-m", "orchestrator.trainer.process"]
+    else:
+        cmd = [sys.executable, "-m", "orchestrator.trainer.process"]
+    cmd += ["--connect", address, "--run-dir", str(run_dir), "--model", str(model_dir),
+            "--orchestrator-pid", str(orchestrator_pid or os.getpid()), "--config-json", config_json]
+    if resume:
+        cmd.append("--resume")
+    return cmd
+
+
+def _free_port() -> int:
+    # Bound, read, released: torchrun binds it a moment later (a race with another binder is
+    # possible and ends in a start-up failure, not in a wrong rendezvous).
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -83,6 +83,27 @@ def _stats(log_ratio: torch.Tensor, ratio: torch.Tensor, clipped: torch.Tensor, 
             "kl_k3": float(k3.mean()), "log_ratio_mean": float(lr.mean())}
 
 
+def merge_stats(parts: Sequence[dict[str, float]]) -> dict[str, float]:
+    """The `policy_loss` stats of a whole batch from those of its slices (one per trainer rank):
+    token counts add, *_max / *_min take the extreme, the others are token means."""
+    parts = [p for p in parts if p.get("tokens", 0.0) > 0]
+    if not parts:
+        return {"tokens": 0.0}
+    n = sum(p["tokens"] for p in parts)
+    out = {"tokens": n}
+    for key in parts[0]:
+        if key == "tokens":
+            continue
+        values = [p[key] for p in parts]
+        if key.endswith("_max"):
+            out[key] = max(values)
+        elif key.endswith("_min"):
+            out[key] = min(values)
+        else:
+            out[key] = sum(p[key] * p["tokens"] for p in parts) / n
+    return out
+
+
 class PackedBatch:
     """Prompt+completion sequences, right-padded, and where their completion tokens are.
 

@@ -5,12 +5,18 @@ It connects to the orchestrator's link (`orchestrator.trainer.link`), says `Read
 each `Batch(step=s)`: one optimizer step from version s-1; when s % publish_every == 0 it
 checkpoints (first) and publishes version s (then), and answers `StepDone`. `Stop` ends it
 (exit 0); an exception answers `Failed` and exits 1; so does an orchestrator that went away
-(the parent pid changed).
+(the parent pid changed, or the `--orchestrator-pid` process is gone).
 
-Ranks: only rank 0 (env RANK unset or "0") opens the link. A multi-rank training step
-(WORLD_SIZE > 1) is not implemented: it needs a torch.distributed process group, gradient
-all-reduce (DDP/FSDP wrapping) and rank-0-only publishing and checkpointing; the process
-refuses it at start-up.
+Under torchrun (env WORLD_SIZE > 1; the launcher starts `python -m torch.distributed.run
+--nproc-per-node N -m orchestrator.trainer.process ...` when trainer.world_size = N > 1): the
+process group is gloo on CPU (NCCL when CUDA is present: written, not yet run on a GPU), the
+model is wrapped with FSDP2 (`fully_shard` per decoder layer, then the root), and each rank
+trains on its slice of every batch (advantages come from the whole batch; FSDP averages the
+gradients, the loss is scaled so that the step equals the single-process one). Only rank 0
+opens the link; every message it receives is broadcast to the other ranks, which handle it in
+step, so all ranks train, checkpoint, publish and stop together. Publishing gathers each
+tensor to rank 0 when its bucket needs it (`transports.refit.gather`); checkpoints hold the
+full (gathered) state, written by rank 0, and resume at any world size.
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ from orchestrator.trainer.link import (
     Stop,
     TrainerClient,
     TrainerLinkTimeout,
+    decode,
+    encode,
     pack_f32,
     unpack_f32,
     unpack_i32,
@@ -46,15 +54,21 @@ from orchestrator.trainer.loss import (
     PackedBatch,
     completion_logprobs,
     group_advantages,
+    merge_stats,
     per_rollout_log_ratio,
     policy_loss,
 )
+from orchestrator.trainer.orphan import Orphan
 from orchestrator.trainer.publish import Publisher
+from orchestrator.trainer.ranks import Ranks, init_group, shard, share
 
 log = get_logger("orchestrator.trainer")
 
-# How often the idle trainer checks that its orchestrator (the parent process) still exists.
+# How often the idle trainer checks that its orchestrator (the parent process) still exists;
+# under torchrun also how often rank 0 tells the other ranks it is still waiting.
 PARENT_POLL_S = 1.0
+# What rank 0 broadcasts when the orchestrator is gone (instead of a message or None: idle).
+ORPHANED = "orphaned"
 
 
 class StepResult(msgspec.Struct):
@@ -105,10 +119,74 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, samples
                       log_ratio_mean=lr_mean.tolist(), log_ratio_max_abs=lr_max.tolist())
 
 
+def train_step_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, samples: Sequence[Sample],
+                       config: TrainerConfig, pad_id: int, ranks: Ranks, step: int | None = None,
+                       temperature: float = 1.0, device: torch.device | None = None) -> StepResult:
+    """`train_step` on one rank of an FSDP2 model: this rank's contiguous slice of the samples,
+    the same result as one process on the whole batch (every rank returns it)."""
+    import torch.distributed as dist
+
+    if not samples:
+        raise ValueError("a batch needs at least one sample")
+    device = device or torch.device("cpu")
+    prompts = [unpack_i32(s.prompt_token_ids).tolist() for s in samples]
+    completions = [unpack_i32(s.completion_token_ids).tolist() for s in samples]
+    recorded = [unpack_f32(s.logprobs) for s in samples]
+    for s, c, lp in zip(samples, completions, recorded):
+        if len(c) != len(lp):
+            raise ValueError(f"rollout {s.rollout_id}: {len(c)} completion tokens but {len(lp)} logprobs")
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+    # Groups are normalised over the whole batch, which every rank holds.
+    advantages = group_advantages(rewards, torch.tensor([s.group_id for s in samples]), config.normalize_std)
+    tokens = sum(len(c) for c in completions)
+    lo, hi = len(samples) * ranks.rank // ranks.world, len(samples) * (ranks.rank + 1) // ranks.world
+
+    optimizer.zero_grad(set_to_none=True)
+    if hi > lo:
+        batch = PackedBatch(prompts[lo:hi], completions[lo:hi], pad_id)
+        behaviour = torch.from_numpy(np.concatenate(recorded[lo:hi]).astype(np.float32))
+        logp = completion_logprobs(model, _on(batch, device), temperature)
+        lr_mean, lr_max = per_rollout_log_ratio(logp.detach().cpu() - behaviour, batch.flat_rollout, hi - lo)
+        loss, stats = policy_loss(logp, behaviour.to(device), advantages[lo:hi][batch.flat_rollout].to(device),
+                                  None, config)
+        local_sum = loss * max(len(logp), 1)  # policy_loss is a token mean over this slice
+    else:
+        # FSDP's collectives need every rank's forward and backward: a rank without samples
+        # (a batch smaller than the world) adds a zero to the loss.
+        logits = model(input_ids=torch.full((1, 1), pad_id, dtype=torch.long, device=device)).logits
+        local_sum = logits.sum() * 0.0
+        stats, lr_mean, lr_max = {"tokens": 0.0}, torch.empty(0), torch.empty(0)
+    # FSDP averages the gradients over ranks: x world makes them those of the whole batch's
+    # token mean, as one process would compute it.
+    (local_sum * (ranks.world / max(tokens, 1))).backward()
+    max_norm = config.grad_clip if config.grad_clip > 0 else math.inf
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    if hasattr(grad_norm, "full_tensor"):
+        grad_norm = grad_norm.full_tensor()
+    optimizer.step()
+
+    parts: list = [None] * ranks.world
+    dist.all_gather_object(parts, (float(local_sum.detach()), stats, lr_mean.tolist(), lr_max.tolist()))
+    metrics = {**merge_stats([p[1] for p in parts]), "grad_norm": float(grad_norm), "samples": float(len(samples))}
+    if step is not None:
+        lags = [(step - 1) - s.dispatched_version for s in samples]
+        metrics.update(staleness_mean=float(np.mean(lags)), staleness_max=float(max(lags)))
+    return StepResult(loss=sum(p[0] for p in parts) / max(tokens, 1), reward_mean=float(rewards.mean()),
+                      metrics=metrics, rollout_ids=[s.rollout_id for s in samples], advantages=advantages.tolist(),
+                      log_ratio_mean=[v for p in parts for v in p[2]], log_ratio_max_abs=[v for p in parts for v in p[3]])
+
+
+def _on(batch: PackedBatch, device: torch.device) -> PackedBatch:
+    if device.type != "cpu":  # written, not yet run on a GPU
+        for name in ("input_ids", "attention_mask", "completion", "targets"):
+            setattr(batch, name, getattr(batch, name).to(device))
+    return batch
+
+
 class Trainer:
     """The trainer's state between messages: model, optimizer, step, publisher."""
 
-    def __init__(self, run_dir: str, model_dir: str, config: RunConfig) -> None:
+    def __init__(self, run_dir: str, model_dir: str, config: RunConfig, ranks: Ranks | None = None) -> None:
         import transformers
         from transformers import AutoModelForCausalLM
 
@@ -118,8 +196,15 @@ class Trainer:
         self.run_dir = run_dir
         self.config = config
         self.tc = config.trainer
+        self.ranks = ranks or Ranks()
+        self.device = torch.device("cpu")
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         self.model.eval()  # no dropout; the gradient does not depend on the mode
+        if self.ranks.sharded:
+            if torch.cuda.is_available():  # written, not yet run on a GPU
+                self.device = torch.device("cuda", self.ranks.local_rank)
+                self.model.to(self.device)
+            shard(self.model, self.ranks, self.device)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=self.tc.lr, weight_decay=self.tc.weight_decay)
         pad = self.model.config.pad_token_id
         self.pad_id = int(pad) if pad is not None else 0  # padding is masked out: any id will do
@@ -129,23 +214,68 @@ class Trainer:
         self.publisher: Publisher | None = None
 
     def start(self, resume: bool) -> None:
-        """Restore the newest checkpoint (with --resume), repair its version, open the publisher."""
+        """Restore the newest checkpoint (with --resume), repair its version, open the publisher.
+        Under torchrun rank 0 (which owns the run directory) decides, and every rank follows."""
+        decision: dict = {}
+        if self.ranks.rank == 0:
+            try:
+                decision = {"step": self._resume_step(resume)}
+            except RuntimeError as exc:
+                decision = {"error": str(exc)}
+        if self.ranks.sharded:
+            decision = share(decision, self.ranks)
+        if "error" in decision:
+            raise RuntimeError(decision["error"])
+        step = decision["step"]
+        if step:
+            if self.ranks.sharded:
+                checkpoint.load_full(self.run_dir, step, self.model, self.optimizer, self.ranks.rank)
+            else:
+                checkpoint.load(self.run_dir, step, self.model, self.optimizer)
+            self.step, self.resumed = step, True
+        self.publisher = Publisher(self.model, self.run_dir, self.config.transport, version=self.step,
+                                   bucket_bytes=self.tc.bucket_bytes, rank=self.ranks.rank, world=self.ranks.world)
+        if self.ranks.sharded:
+            self._check_same_run()
+        if self.ranks.rank == 0:
+            newer = [v for v in self.publisher.published() if v > self.step]
+            if newer:
+                decision = {"error": f"{self.publisher.root} holds version {newer[-1]} but the trainer starts at step "
+                                     f"{self.step}: continuing would publish other weights under the same number"}
+            else:
+                # Crashed between checkpoint and publish: the checkpoint holds exactly these weights.
+                decision = {"republish": self.step > 0 and not self.publisher.is_complete(self.step)}
+        if self.ranks.sharded:
+            decision = share(decision, self.ranks)
+        if "error" in decision:
+            raise RuntimeError(decision["error"])
+        if decision["republish"]:
+            seconds = self.publisher.publish(self.step)
+            log.info("trainer.republished", version=self.step, seconds=round(seconds, 4))
+
+    def _check_same_run(self) -> None:
+        """Every rank holds the same configuration and the same refit plan (the model's names,
+        shapes and dtypes, the buckets): a host started with another --config-json or --model
+        would gather shards in another order, pairing them with the wrong tensors."""
+        import hashlib
+
+        import torch.distributed as dist
+
+        digest = hashlib.sha256(msgspec.json.encode(self.config) + b"\0" + self.publisher.plan_json.encode()).hexdigest()
+        digests: list = [None] * self.ranks.world
+        dist.all_gather_object(digests, digest)
+        other = [r for r, d in enumerate(digests) if d != digests[0]]
+        if other:
+            raise RuntimeError(f"ranks {other} were started with another --config-json or --model than rank 0 (the "
+                               "configuration or the refit plan differs): start every host with RUN_DIR/config.json "
+                               "and the same base model")
+
+    def _resume_step(self, resume: bool) -> int:
         steps = checkpoint.complete_steps(self.run_dir)
         if steps and not resume:
             raise RuntimeError(f"{checkpoint.checkpoints_root(self.run_dir)} holds checkpoints up to step {steps[-1]}: "
                                "start with --resume, or use a new run directory")
-        if resume and steps:
-            checkpoint.load(self.run_dir, steps[-1], self.model, self.optimizer)
-            self.step, self.resumed = steps[-1], True
-        self.publisher = Publisher(self.model, self.run_dir, self.config.transport, version=self.step)
-        newer = [v for v in self.publisher.published() if v > self.step]
-        if newer:
-            raise RuntimeError(f"{self.publisher.root} holds version {newer[-1]} but the trainer starts at step "
-                               f"{self.step}: continuing would publish other weights under the same number")
-        if self.step > 0 and not self.publisher.is_complete(self.step):
-            # Crashed between checkpoint and publish: the checkpoint holds exactly these weights.
-            seconds = self.publisher.publish(self.step)
-            log.info("trainer.republished", version=self.step, seconds=round(seconds, 4))
+        return steps[-1] if resume and steps else 0
 
     def ready(self) -> Ready:
         assert self.publisher is not None
@@ -161,8 +291,13 @@ class Trainer:
         if not batch.samples:
             return Failed(step=batch.step, error="empty batch")
         started = time.perf_counter()
-        result = train_step(self.model, self.optimizer, batch.samples, self.tc, self.pad_id, step=batch.step,
-                            temperature=self.config.sampling.temperature)
+        temperature = self.config.sampling.temperature
+        if self.ranks.sharded:
+            result = train_step_sharded(self.model, self.optimizer, batch.samples, self.tc, self.pad_id, self.ranks,
+                                        step=batch.step, temperature=temperature, device=self.device)
+        else:
+            result = train_step(self.model, self.optimizer, batch.samples, self.tc, self.pad_id, step=batch.step,
+                                temperature=temperature)
         self.step = batch.step
         metrics = dict(result.metrics, train_s=time.perf_counter() - started)
         version = None
@@ -181,10 +316,34 @@ class Trainer:
         assert self.publisher is not None
         if self.tc.checkpoint:
             t0 = time.perf_counter()
-            checkpoint.save(self.run_dir, self.model, self.optimizer, self._meta(result), self.tc.keep_checkpoints)
+            if self.ranks.sharded:
+                checkpoint.save_full(self.run_dir, self.model, self.optimizer, self._meta(result),
+                                     self.tc.keep_checkpoints, self.ranks.rank)
+            else:
+                checkpoint.save(self.run_dir, self.model, self.optimizer, self._meta(result), self.tc.keep_checkpoints)
             metrics["checkpoint_s"] = time.perf_counter() - t0
         metrics["publish_s"] = self.publisher.publish(self.step)
+        if self.ranks.sharded:
+            metrics.update(self._publish_memory())
         return self.step
+
+    def _publish_memory(self) -> dict[str, float]:
+        """Every rank's extra memory during the publish just done, for rank 0's StepDone."""
+        import torch.distributed as dist
+
+        assert self.publisher is not None and self.publisher.memory is not None
+        parts: list = [None] * self.ranks.world
+        dist.all_gather_object(parts, self.publisher.memory)
+        out: dict[str, float] = {}
+        for m in parts:
+            # Counted: arenas + gathered tensors alive at once. Measured: resident memory.
+            out[f"publish_counted_bytes_rank{m.rank}"] = float(m.arena_bytes + m.gathered_peak_bytes)
+            out[f"publish_gathered_peak_bytes_rank{m.rank}"] = float(m.gathered_peak_bytes)
+            out[f"publish_rss_extra_bytes_rank{m.rank}"] = float(m.extra_bytes)
+        out["publish_rss_extra_bytes_max"] = float(max(m.extra_bytes for m in parts))
+        out["publish_bound_bytes"] = float(self.publisher.bound_bytes)
+        out["publish_memory_exact"] = float(all(m.exact for m in parts))
+        return out
 
     def _meta(self, result: StepResult) -> checkpoint.CheckpointMeta:
         def known(values: list[float]) -> list[float | None]:
@@ -212,24 +371,23 @@ def pin(tc: TrainerConfig) -> set[int]:
     return cpus
 
 
-def check_world() -> None:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:
-        raise RuntimeError(f"WORLD_SIZE={world}: a multi-rank training step is not implemented (it needs a "
-                           "torch.distributed process group, gradient all-reduce via DDP/FSDP, and rank-0-only "
-                           "publishing and checkpointing); run one trainer process")
-
-
-def serve(client: TrainerClient, trainer: Trainer, parent_pid: int) -> int:
-    """Answer messages until Stop (0) or until the orchestrator is gone (1)."""
+def serve(client: TrainerClient, trainer: Trainer, orphaned) -> int:
+    """Answer messages until Stop (0) or until the orchestrator is gone (1). Under torchrun
+    (rank 0) every message, and every idle poll, is broadcast to the other ranks (`follow`)."""
+    sharded = trainer.ranks.sharded
     while True:
         try:
             msg = client.recv(timeout_s=PARENT_POLL_S)
         except TrainerLinkTimeout:
-            if os.getppid() != parent_pid:
-                log.warning("trainer.orphaned", parent_pid=parent_pid)
+            gone = orphaned()
+            if sharded:
+                share(ORPHANED if gone else None, trainer.ranks)
+            if gone:
+                log.warning("trainer.orphaned", parent_pid=orphaned.parent_pid)
                 return 1
             continue
+        if sharded:
+            share(encode(msg), trainer.ranks)
         if isinstance(msg, Stop):
             log.info("trainer.stop", step=trainer.step)
             return 0
@@ -239,38 +397,67 @@ def serve(client: TrainerClient, trainer: Trainer, parent_pid: int) -> int:
         client.send(Failed(step=None, error=f"unexpected message {type(msg).__name__} from the orchestrator"))
 
 
+def follow(trainer: Trainer) -> int:
+    """A rank other than 0: handle what rank 0 received, in step with it, until Stop (0) or an
+    orchestrator gone (1). Rank 0 broadcasts at least every PARENT_POLL_S, so every wait here
+    is bounded by the process group's timeout."""
+    while True:
+        data = share(None, trainer.ranks)
+        if data is None:
+            continue
+        if data == ORPHANED:
+            log.warning("trainer.orphaned", rank=trainer.ranks.rank)
+            return 1
+        msg = decode(data)
+        if isinstance(msg, Stop):
+            log.info("trainer.stop", step=trainer.step)
+            return 0
+        if isinstance(msg, Batch):
+            trainer.handle(msg)
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m orchestrator.trainer.process")
-    p.add_argument("--connect", required=True, help="the orchestrator's link address, tcp://127.0.0.1:PORT")
+    p.add_argument("--connect", required=True, help="the orchestrator's link address, tcp://127.0.0.1:PORT "
+                                                    "(only rank 0 connects)")
     p.add_argument("--run-dir", required=True)
     p.add_argument("--model", required=True, help="the base model directory (version 0)")
     p.add_argument("--config-json", required=True, help="the RunConfig as JSON")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in RUN_DIR/trainer")
+    p.add_argument("--orchestrator-pid", type=int, default=None,
+                   help="exit when this process is gone (default: when the parent process changes)")
     return p.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     configure_logging("json")
-    parent_pid = os.getppid()
-    rank = os.environ.get("RANK")
-    # Only rank 0 speaks the link (a torchrun trainer's other ranks would follow rank 0).
-    client = TrainerClient() if rank in (None, "0") else None
+    orphaned = Orphan(args.orchestrator_pid)
+    ranks = Ranks.from_env()
+    if ranks.sharded:
+        import structlog
+
+        structlog.contextvars.bind_contextvars(rank=ranks.rank)
+    # Only rank 0 speaks the link; the other ranks follow it (see the module docstring).
+    client = TrainerClient() if ranks.rank == 0 else None
     if client is not None:
         client.connect(args.connect)
     trainer: Trainer | None = None
+    grouped = False
     try:
-        check_world()
         config = msgspec.json.decode(args.config_json, type=RunConfig).validate()
         cpus = pin(config.trainer)
-        trainer = Trainer(args.run_dir, args.model, config)
+        if ranks.sharded:
+            init_group(ranks, config.trainer)
+            grouped = True
+        trainer = Trainer(args.run_dir, args.model, config, ranks)
         trainer.start(args.resume)
         log.info("trainer.ready", step=trainer.step, resumed=trainer.resumed, cpus=sorted(cpus),
-                 threads=config.trainer.threads, loss=config.trainer.loss, pid=os.getpid())
+                 threads=config.trainer.threads, loss=config.trainer.loss, pid=os.getpid(), world=ranks.world)
         if client is None:
-            return 0
+            return follow(trainer)
         client.send(trainer.ready())
-        return serve(client, trainer, parent_pid)
+        return serve(client, trainer, orphaned)
     except Exception as exc:
         step = trainer.current if trainer is not None else None
         log.exception("trainer.failed", step=step)
@@ -285,6 +472,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             trainer.close()
         if client is not None:
             client.close()
+        if grouped:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Recomputing the log-probability of sampled tokens with a plain transformers forward.
 
 The one reference implementation of the project: `inflight replay` batches it over a whole log,
-and the tests use the single-sequence forms (`sequence_logprobs`, `carried_logprobs`) as their
+and the tests use the single-sequence forms (`sequence_logprobs`, `carried_logprobs`, `fed_logprobs`) as their
 reference for what an engine should have produced.
 
 Weights are plain safetensors: a Hugging Face model directory (version 0, or any MODEL_DIR) or a
@@ -189,30 +189,39 @@ def sequence_logprobs(model_or_dir, prompt_ids: Sequence[int], completion_ids: S
     return torch.log_softmax(logits, -1).gather(1, targets[:, None])[:, 0].tolist()
 
 
-@torch.no_grad()
 def carried_logprobs(models: Mapping[int, torch.nn.Module], prompt: Sequence[int],
                      tokens: Sequence[int], versions: Sequence[int]) -> list[float]:
     """Keys/values kept across a switch of weights: each position is fed (and its keys/values
     computed) under the version of the token it produces; prompt positions under that of
     token 0. `models[v]` is the model of version v."""
+    n_prompt = len(prompt)
+    feed = [versions[max(0, p - n_prompt + 1)] for p in range(n_prompt + len(tokens) - 1)]
+    return fed_logprobs(models, prompt, tokens, feed)
+
+
+@torch.no_grad()
+def fed_logprobs(models: Mapping[int, torch.nn.Module], prompt: Sequence[int],
+                 tokens: Sequence[int], feed: Sequence[int]) -> list[float]:
+    """Logprobs of `tokens` when position p (of prompt + tokens, all but the last) was fed,
+    and its keys/values computed, under `models[feed[p]]`: any mix a carried KV or a prefix
+    cache can produce."""
     from transformers import DynamicCache
 
-    n_prompt = len(prompt)
     seq = list(prompt) + list(tokens)
-    positions = list(range(n_prompt + len(tokens) - 1))
-    feed_version = [versions[max(0, p - n_prompt + 1)] for p in positions]
+    n = len(seq) - 1
+    if len(feed) != n:
+        raise ValueError(f"feed names {len(feed)} positions, prompt + tokens have {n}")
     cache = DynamicCache()
     logits_all = []
     start = 0
-    while start < len(positions):
+    while start < n:
         end = start
-        while end < len(positions) and feed_version[end] == feed_version[start]:
+        while end < n and feed[end] == feed[start]:
             end += 1
-        model = models[feed_version[start]]
-        out = model(torch.tensor([seq[start:end]]), past_key_values=cache, use_cache=True,
-                    position_ids=torch.arange(start, end)[None])
+        out = models[feed[start]](torch.tensor([seq[start:end]]), past_key_values=cache, use_cache=True,
+                                  position_ids=torch.arange(start, end)[None])
         cache = out.past_key_values
         logits_all.append(out.logits[0].float())
         start = end
-    logits = torch.cat(logits_all)[n_prompt - 1:]
+    logits = torch.cat(logits_all)[len(prompt) - 1:]
     return torch.log_softmax(logits, -1).gather(1, torch.tensor(list(tokens))[:, None])[:, 0].tolist()

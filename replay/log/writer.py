@@ -16,7 +16,6 @@ import structlog
 from replay.errors import InvalidRecordError, ReplayError
 from replay.log.files import AppendFile, FileSystem, OsFileSystem
 from replay.log.framing import (
-    _BLANK_HEADER,
     _HEADER_CRC,
     DEFAULT_SEGMENT_BYTES,
     FRAME_HEADER,
@@ -34,9 +33,16 @@ from replay.log.framing import (
     segment_name,
 )
 from replay.log.reader import _segment_indices
-from replay.records import Record, encode_record_into
+from replay.records import Record, encode_record_to
 
 log = structlog.get_logger("replay.log")
+
+# Bound once: append runs these for every record.
+_crc: Final = crc32c.crc32c
+_pack_prefix: Final = FRAME_PREFIX.pack
+_pack_header_crc: Final = _HEADER_CRC.pack
+_FRAME_HEADER_SIZE: Final = FRAME_HEADER.size
+_SCRATCH_KEEP_BYTES: Final = 1024 * 1024  # a scratch buffer grown past this is not kept
 
 class FsyncPolicy(msgspec.Struct, frozen=True):
     """When appends are made durable.
@@ -102,6 +108,7 @@ class ReplayLog:
         self._durable = threading.Condition(self._lock)
         self._file: AppendFile | None = None
         self._buffer = bytearray()  # framed records not yet handed to the OS
+        self._scratch = bytearray()  # where append encodes each record (see append)
         self._segment_index = 0
         self._segment_name = ""
         # every_records as a plain int (a huge one when unset) keeps the per-append check cheap
@@ -203,46 +210,45 @@ class ReplayLog:
         with self._lock:
             if self._closed or self._failure is not None:
                 self._check_usable()
-            # The frame is built in place at the end of the write buffer: a blank header, the
-            # record encoded straight after it, then the header filled in from checksums over
-            # views of the buffer. No per-record bytes objects, one copy of the blobs.
-            buffer = self._buffer
-            start = len(buffer)
-            payload_start = start + FRAME_HEADER.size
-            buffer += _BLANK_HEADER
+            # The record is encoded (and checked) into a scratch buffer that keeps its memory
+            # from one append to the next (msgspec writes into it in place), then framed and
+            # copied once to the end of the write buffer. A refused record leaves nothing
+            # behind. (Measured: about half the time of encoding to a new bytes object, and
+            # less than handing each payload to writev(2) from a pool of buffers.)
+            scratch = self._scratch
             try:
-                encode_record_into(record, buffer, payload_start)
+                encode_record_to(record, scratch)
             except BaseException:
-                del buffer[start:]  # a refused record leaves nothing behind
+                if len(scratch) > _SCRATCH_KEEP_BYTES:
+                    self._scratch = bytearray()
                 raise
-            length = len(buffer) - payload_start
-            if length > MAX_RECORD_BYTES:
-                del buffer[start:]
-                raise InvalidRecordError("type", f"encoded record of {length} bytes exceeds "
-                                                 f"{MAX_RECORD_BYTES}")
-            with memoryview(buffer) as view:
-                FRAME_PREFIX.pack_into(buffer, start, FRAME_MAGIC, length,
-                                       crc32c.crc32c(view[payload_start:]))
-                _HEADER_CRC.pack_into(buffer, start + FRAME_PREFIX.size,
-                                      crc32c.crc32c(view[start:start + FRAME_PREFIX.size]))
-            frame_bytes = FRAME_HEADER.size + length
-            if self._size + frame_bytes > self.segment_bytes and self._size > SEGMENT_HEADER.size:
-                framed = bytes(buffer[start:])
-                del buffer[start:]
-                self._roll_over()  # writes and syncs what the old segment had waiting
-                buffer += framed
+            length = len(scratch)
+            if length > _SCRATCH_KEEP_BYTES:
+                self._scratch = bytearray()  # do not hold on to a huge record's memory
+                if length > MAX_RECORD_BYTES:
+                    raise InvalidRecordError("type", f"encoded record of {length} bytes exceeds "
+                                                     f"{MAX_RECORD_BYTES}")
             offset = self._size
+            frame_bytes = _FRAME_HEADER_SIZE + length
+            if offset + frame_bytes > self.segment_bytes and offset > SEGMENT_HEADER.size:
+                self._roll_over()  # writes and syncs what the old segment had waiting
+                offset = self._size
+            prefix = _pack_prefix(FRAME_MAGIC, length, _crc(scratch))
+            buffer = self._buffer
+            buffer += prefix
+            buffer += _pack_header_crc(_crc(prefix))
+            buffer += scratch
             self._size = offset + frame_bytes
             if len(buffer) >= WRITE_BUFFER_BYTES:
                 self._write_buffer()
             seq = self._seq = self._seq + 1
-            if self._timed:
+            if seq - self._durable_seq >= self._sync_every_records:
+                self._sync_locked()
+            elif self._timed:
                 if self._oldest_unsynced is None:
                     self._oldest_unsynced = time.monotonic()
                 if self._sync_due():
                     self._sync_locked()
-            elif seq - self._durable_seq >= self._sync_every_records:
-                self._sync_locked()
             return Ack(self._segment_name, offset, seq, self._durable_seq >= seq)
 
     def _sync_due(self) -> bool:

@@ -27,7 +27,8 @@ A rollout's per-token policy versions are stored as run-length change points: to
 Invariants (equal lengths, versions never decreasing, no NaN logprob) are checked in
 ``__post_init__``, which msgspec runs both when a record is built and when one is decoded,
 so every write and every read checks them. Field types are checked on write by
-``encode_record_into`` (the encoded bytes decoded once against the record's shape) and on
+``encode_record`` / ``encode_record_into`` / ``encode_record_to`` (the log's: into a reused
+scratch buffer), each decoding the encoded bytes once against the record's shape, and on
 read by the typed decoder.
 
 Modules: `parts` (status, sampling settings, identity, timings, reason strings), `types` (the
@@ -36,7 +37,12 @@ is importable from `replay.records`.
 """
 
 from replay.records.checks import FLOAT32, INT32, int32_values
-from replay.records.codec import decode_record, encode_record, encode_record_into
+from replay.records.codec import (
+    decode_record,
+    encode_record,
+    encode_record_into,
+    encode_record_to,
+)
 from replay.records.parts import (
     ACTIVATED,
     COMPLETED,
@@ -80,5 +86,5 @@ __all__ = [
     "STATUS_NAMES", "ActivationRecord", "Completed", "ConsumptionRecord", "DiscardRecord",
     "Dropped", "EngineActivation", "Errored", "PolicyIdentity", "Record", "RolloutRecord",
     "RunMetaRecord", "SamplingSettings", "Status", "Timings", "decode_record", "encode_record",
-    "encode_record_into", "int32_values", "make_rollout",
+    "encode_record_into", "encode_record_to", "int32_values", "make_rollout",
 ]

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import math
 import re
-from typing import Any, Union
+import types
+import typing
+from typing import Any, Final, Union
 
 import msgspec
 
@@ -19,6 +22,8 @@ from replay.records.types import (
 )
 
 _encoder = msgspec.msgpack.Encoder()
+_encode_into = _encoder.encode_into
+_isfinite = math.isfinite
 _decoder = msgspec.msgpack.Decoder(Record)
 
 
@@ -29,40 +34,112 @@ class _TypeTag(msgspec.Struct):
 
 
 _tag_decoder = msgspec.msgpack.Decoder(_TypeTag)
-_PATH = re.compile(r"at `\$\.?([^`]*)`")
+# "... - at `$.sampling.temperature`", or for a dict key "... - at `key` in `$.rewards`"
+_PATH = re.compile(r"(?:at|in) `\$\.?([^`]*)`")
 _BACKTICK = re.compile(r"`([^`$]+)`")
 
 
-def _shape_of(cls: type[msgspec.Struct]) -> type[msgspec.Struct]:
+def _shape_of(cls: type[msgspec.Struct], *, blobs: bool = False) -> type[msgspec.Struct]:
     """A Struct that decodes like `cls` (same names, order, tag, types, defaults) but without
-    the blob fields and without __post_init__: it checks field types only, for the write path."""
+    the blob fields (unless `blobs`) and without __post_init__: it checks field types only,
+    for the write path. Nested structs become shapes too, and no shape is tracked by the
+    garbage collector (decoded only to be dropped at once: ~10% less time per decode)."""
     config = cls.__struct_config__
     fields: list[Any] = []
     for info in msgspec.structs.fields(cls):
-        if info.type is bytes:
+        if info.type is bytes and not blobs:
             # Blob types and lengths were checked when the (frozen) record was built. Left out
             # of the shape, the decoder skips them without allocating anything (a Raw field
             # would copy its bytes out of a bytearray).
             continue
+        kind = _shape_type(info.type)
         if info.default is not msgspec.NODEFAULT:
-            fields.append((info.name, info.type, info.default))
+            fields.append((info.name, kind, info.default))
         elif info.default_factory is not msgspec.NODEFAULT:
-            fields.append((info.name, info.type, msgspec.field(default_factory=info.default_factory)))
+            fields.append((info.name, kind, msgspec.field(default_factory=info.default_factory)))
         else:
-            fields.append((info.name, info.type))
+            fields.append((info.name, kind))
     return msgspec.defstruct(f"{cls.__name__}Shape", fields, tag=config.tag,
-                             tag_field=config.tag_field, frozen=True)
+                             tag_field=config.tag_field, frozen=True, gc=False)
 
 
+_NESTED_SHAPES: dict[type, type] = {}
+
+
+def _shape_type(kind: Any) -> Any:
+    """`kind` with every Struct type in it replaced by its shape (blobs kept: nested structs
+    are not checked when built). A nested struct with a __post_init__ (none today) is kept as
+    it is, so that the write path still runs its checks."""
+    if (isinstance(kind, type) and issubclass(kind, msgspec.Struct)
+            and not hasattr(kind, "__post_init__")):
+        if kind not in _NESTED_SHAPES:
+            _NESTED_SHAPES[kind] = _shape_of(kind, blobs=True)
+        return _NESTED_SHAPES[kind]
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if not args:
+        return kind
+    shaped = tuple(_shape_type(arg) for arg in args)
+    if shaped == args:
+        return kind
+    if origin is Union or origin is types.UnionType:
+        return Union[shaped]  # noqa: UP007
+    return origin[shaped]
+
+
+# One decoder per record type (a record's type is known when it is written), and the union for
+# payloads of unknown type.
+_SHAPE_DECODERS: Final = {cls: msgspec.msgpack.Decoder(_shape_of(cls)) for cls in RECORD_TYPES}
 _shape_decoder = msgspec.msgpack.Decoder(Union[tuple(_shape_of(cls) for cls in RECORD_TYPES)])  # noqa: UP007
 
 
-
 def encode_record(record: Record) -> bytes:
-    """Encode a record, refusing it (InvalidRecordError naming the field) if it is not valid."""
-    buffer = bytearray()
-    encode_record_into(record, buffer, 0)
-    return bytes(buffer)
+    """Encode a record, refusing it (InvalidRecordError naming the field) if it is not valid.
+
+    The bytes are encoded once, checked as they are and returned without a copy. See
+    `encode_record_into` for what is checked."""
+    _check_before_encoding(record)
+    try:
+        payload = _encoder.encode(record)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise InvalidRecordError(_unencodable_field(record), str(exc)) from None
+    _check_shape(payload, type(record))
+    return payload
+
+
+def encode_record_to(record: Record, scratch: bytearray) -> None:
+    """Encode a record into `scratch`, replacing what it held, refusing it
+    (InvalidRecordError naming the field; `scratch` then holds nothing useful) if it is not
+    valid; the checks are those of `encode_record_into`.
+
+    For a writer that reuses one scratch buffer: msgspec writes into it in place and keeps its
+    allocation from call to call (measured about twice as fast as `encode()`, which grows a new
+    buffer from 512 bytes for every record). The log calls this for every append, so the
+    common case (a rollout record) is written out here rather than through helpers.
+    """
+    cls = type(record)
+    if cls is RolloutRecord:
+        rewards = record.rewards  # a dict inside a frozen record can still change
+        if rewards:
+            try:
+                finite = _isfinite(sum(rewards.values()))  # NaN and inf survive a sum
+            except (TypeError, AttributeError, OverflowError):
+                finite = True  # not a dict of numbers: the typed decode names the field
+            if not finite:
+                _check_rewards(rewards)
+    else:
+        _check_before_encoding(record)
+    try:
+        _encode_into(record, scratch)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise InvalidRecordError(_unencodable_field(record), str(exc)) from None
+    decoder = _SHAPE_DECODERS.get(cls)
+    if decoder is None:
+        _check_shape(scratch)
+        return
+    try:
+        decoder.decode(scratch)
+    except msgspec.ValidationError:
+        _check_shape(scratch, cls)  # raises, naming the field
 
 
 def encode_record_into(record: Record, buffer: bytearray, offset: int) -> None:
@@ -82,7 +159,7 @@ def encode_record_into(record: Record, buffer: bytearray, offset: int) -> None:
         # log's write buffer (2 vs 8 us for a 5.4 KB record): encode_into resizes the buffer
         # to the exact length on every call, which defeats bytearray's over-allocation.
         payload = _encoder.encode(record)
-        _check_shape(payload)
+        _check_shape(payload, type(record))
         buffer[offset:] = payload
     except (TypeError, ValueError, OverflowError) as exc:
         del buffer[offset:]
@@ -101,10 +178,10 @@ def _check_before_encoding(record: Record) -> None:
         raise InvalidRecordError("type", f"not a replay record: {type(record).__name__}")
 
 
-def _check_shape(payload: bytes | memoryview) -> None:
+def _check_shape(payload: bytes | bytearray | memoryview, cls: type | None = None) -> None:
     """The exact type check: decode against the record's shape (as a reader would)."""
     try:
-        _shape_decoder.decode(payload)
+        _SHAPE_DECODERS.get(cls, _shape_decoder).decode(payload)  # type: ignore[call-overload]
         return
     except msgspec.ValidationError as exc:
         message = str(exc)

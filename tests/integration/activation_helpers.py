@@ -12,7 +12,7 @@ import anyio
 import torch
 
 from orchestrator.engines.base import Engine, SamplingSettings
-from replay.analysis.recompute import carried_logprobs, sequence_logprobs
+from replay.analysis.recompute import carried_logprobs, fed_logprobs, sequence_logprobs
 
 PROMPTS = [[5, 17, 42, 8, 23, 11, 3, 29] * 3, [7, 7, 19, 4, 61, 2, 33, 12] * 3,
            [9, 41, 6, 28, 14, 50, 3, 21] * 3, [12, 3, 5, 44, 8, 16, 27, 31] * 3]
@@ -196,3 +196,43 @@ class FaultyEngine(Engine):
 
     async def shutdown(self):
         await self.inner.shutdown()
+
+
+def explain_mismatch(c, refs: References, record=None) -> str:
+    """What a completion whose logprobs match no reference does match: each version whole, and
+    each split of the prompt between two versions at a KV-cache block boundary (a prefix-cache
+    hit computed under other weights). For a failure message: one line per hypothesis within
+    1e-3 and the best few otherwise."""
+    n_prompt, n = len(c.prompt_token_ids), len(c.prompt_token_ids) + len(c.token_ids) - 1
+    tried: list[tuple[float, str]] = []
+    for v in sorted(refs.models):
+        tried.append((max_err(c.logprobs, refs.full(v, c.prompt_token_ids, c.token_ids)), f"all under v{v}"))
+    versions = sorted(refs.models)[-3:]
+    for cut in (16, 32, 64, 128):
+        if cut >= n_prompt:
+            continue
+        for a in versions:
+            for b in versions:
+                if a != b:
+                    feed = [a] * cut + [b] * (n - cut)
+                    err = max_err(c.logprobs, fed_logprobs(refs.models, c.prompt_token_ids, c.token_ids, feed))
+                    tried.append((err, f"prompt[:{cut}] under v{a}, the rest under v{b}"))
+    tried.sort()
+    lines = [f"{err:.2e}  {what}" for err, what in tried[:5]]
+    return (f"{c.request_id} on {c.engine_id}: changes {c.change_points()}, dispatched v{c.dispatched_version} at "
+            f"{c.dispatched_at}, first token {c.first_token_at}, finished {c.finished_at}, carried "
+            f"{c.kv_carried_across_versions}; best matches:\n  " + "\n  ".join(lines)
+            + (f"\nrecord: {record}" if record is not None else ""))
+
+
+def attributable(completions) -> list:
+    """The completed rollouts; every other one must be a pause-free rollout whose versions the
+    fleet could not know (`errored(version_unknown)`, recorded without tokens), and those must
+    stay the exception."""
+    done = [c for c in completions if c.status == "completed"]
+    for c in completions:
+        if c.status != "completed":
+            assert c.status == "errored" and c.reason == "version_unknown", (c.status, c.reason, c.message)
+            assert c.token_ids == [] and c.logprobs == [] and c.change_points() == []
+    assert len(done) > len(completions) // 2, [(c.status, c.reason) for c in completions]
+    return done

@@ -25,6 +25,8 @@ from tests.integration.activation_helpers import (
     PROMPTS,
     FaultyEngine,
     References,
+    attributable,
+    explain_mismatch,
     new_world,
     publish_next,
     max_err,
@@ -73,13 +75,12 @@ async def make_fleet(engines, world, strategy="pause_swap", kv_policy="recompute
 def check_provenance(completions, refs: References, carried: bool = False) -> list[int]:
     """Every token matches its recorded version; returns the interior change points seen."""
     interior = []
-    for c in completions:
-        assert c.status == "completed", (c.status, c.reason)
+    for c in attributable(completions):
         if carried:
             ref = refs.carried(c.prompt_token_ids, c.token_ids, c.versions)
         else:
             ref = refs.recompute(c.prompt_token_ids, c.token_ids, c.versions)
-        assert max_err(c.logprobs, ref) < TOL, (c.change_points(), max_err(c.logprobs, ref))
+        assert max_err(c.logprobs, ref) < TOL, explain_mismatch(c, refs)
         for k, _v in c.change_points()[1:]:
             interior.append(k)
             # the check discriminates: the token at the change point does not match the old version

@@ -27,6 +27,7 @@ from orchestrator.trainer.link import (
     pack_i32,
     unpack_f32,
 )
+from tests.helpers import load_safetensors_dir
 
 pytestmark = pytest.mark.slow
 
@@ -91,14 +92,9 @@ class _Trainer:
 
 
 def _published(run_dir: Path, version: int) -> dict:
-    from safetensors.torch import load_file
-
     vdir = run_dir / "weights" / f"v{version:08d}"
     assert (vdir / "COMPLETE").exists()
-    tensors = {}
-    for bucket in sorted(vdir.glob("bucket-*.safetensors")):
-        tensors.update(load_file(bucket))
-    return tensors
+    return load_safetensors_dir(vdir)
 
 
 def _assert_same(published: dict, run_dir: Path, step: int) -> None:

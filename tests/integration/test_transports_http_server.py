@@ -10,12 +10,11 @@ One server serves the whole module; it is always shut down, whatever the tests d
 from __future__ import annotations
 
 import asyncio
-import glob
-import os
 
 import pytest
 import torch
 
+from tests.helpers import CorruptingSender, load_safetensors_dir
 from tests.reference import reference_logprobs
 from transports.base import ChecksumError
 from transports.factory import TrainCluster, create_weight_synchronizer
@@ -48,12 +47,7 @@ async def server(tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def checkpoint(tiny_model_dir) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    state: dict[str, torch.Tensor] = {}
-    for f in sorted(glob.glob(os.path.join(tiny_model_dir, "*.safetensors"))):
-        state.update(load_file(f))
-    return state
+    return load_safetensors_dir(tiny_model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -81,23 +75,6 @@ async def sample(server, request_id: str) -> tuple[list[int], torch.Tensor]:
     done = await server.complete(request_id, PROMPT, SamplingSettings(max_tokens=12, seed=1234, ignore_eos=True))
     assert len(done.token_ids) == 12
     return list(done.token_ids), torch.tensor(done.logprobs)
-
-
-class Corrupting:
-    """Fault injection: flips one byte of bucket 0 after its checksum was computed."""
-
-    def __init__(self, inner):
-        self.inner = inner
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def send(self, header, payload):
-        if header.index == 0:
-            damaged = bytearray(payload)
-            damaged[header.tensors[0].offset] ^= 0x10
-            payload = memoryview(damaged)
-        self.inner.send(header, payload)
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -133,7 +110,7 @@ async def test_transport_updates_a_server_over_http(transport, server, hf_model,
         state.update(moved(checkpoint, seed + 50))
         sync.mark_stale()
         real = sync.sender
-        sync.sender = Corrupting(real)
+        sync.sender = CorruptingSender(real)
         try:
             with pytest.raises(ChecksumError) as err:
                 await asyncio.to_thread(sync.sync_weights)

@@ -3,10 +3,10 @@ bucket is an error naming the tensor while the receiver keeps its old weights.""
 
 from __future__ import annotations
 
-import msgspec
 import pytest
 import torch
 
+from tests.helpers import CorruptingSender
 from transports.base import (
     ChecksumError,
     MissingTensorError,
@@ -63,35 +63,6 @@ def assert_live_equals(engine: ProcessEngine, state: dict[str, torch.Tensor]) ->
     assert set(live) == set(state)
     for name, tensor in state.items():
         assert torch.equal(live[name], tensor), name
-
-
-class CorruptingSender:
-    """Wraps a real sender and damages the first bucket on its way out (fault injection)."""
-
-    def __init__(self, inner, fault: str):
-        self.inner, self.fault = inner, fault
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def send(self, header, payload):
-        if header.index == 0:
-            first = header.tensors[0]
-            if self.fault == "shape":
-                header = msgspec.structs.replace(
-                    header, tensors=(msgspec.structs.replace(first, shape=tuple(reversed(first.shape))),) + header.tensors[1:])
-            elif self.fault == "dtype":
-                header = msgspec.structs.replace(
-                    header, tensors=(msgspec.structs.replace(first, dtype="float16"),) + header.tensors[1:])
-            elif self.fault == "missing":
-                header = msgspec.structs.replace(header, tensors=header.tensors[1:])
-            elif self.fault == "truncated":
-                payload = payload[: header.tensors[-1].offset + 4]
-            elif self.fault == "checksum":
-                damaged = bytearray(payload)
-                damaged[first.offset] ^= 0x40
-                payload = memoryview(damaged)
-        self.inner.send(header, payload)
 
 
 def test_versions_arrive_exactly(rig):
@@ -184,9 +155,11 @@ def test_bench_json_on_stdout_is_pure_json(tmp_path):
 
     result = subprocess.run(
         [sys.executable, "-m", "orchestrator.cli", "bench", "transports", "--size", "4MiB",
-         "--tensors", "10", "--bucket", "1MiB", "--transports", "filesystem,ipc",
-         "--save", str(tmp_path / "saved.json"), "--json"],
+         "--tensors", "10", "--bucket", "1MiB", "--transports", "filesystem,ipc", "--rounds", "2",
+         "--no-checksums", "--save", str(tmp_path / "saved.json"), "--json"],
         capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-2000:]
     figures = json.loads(result.stdout)
     assert set(figures["transports"]) == {"filesystem", "ipc"}
+    assert figures["rounds"] == 2 and figures["checksums"] is False
+    assert all(len(f["seconds_all"]) == 2 for f in figures["transports"].values())

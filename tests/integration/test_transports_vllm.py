@@ -4,13 +4,12 @@ is refused naming the tensor and the engine keeps serving its old weights."""
 
 from __future__ import annotations
 
-import glob
 import os
 
-import msgspec
 import pytest
 import torch
 
+from tests.helpers import CorruptingSender, load_safetensors_dir
 from transports.base import ChecksumError
 from transports.factory import TrainCluster, create_weight_synchronizer
 
@@ -22,19 +21,15 @@ PROMPT = [5, 17, 42, 8, 23, 11, 3, 29]
 
 @pytest.fixture(scope="module")
 def checkpoint(tiny_model_dir):
-    from safetensors.torch import load_file
-
-    state = {}
-    for f in sorted(glob.glob(os.path.join(tiny_model_dir, "*.safetensors"))):
-        state.update(load_file(f))
-    return state
+    return load_safetensors_dir(tiny_model_dir)
 
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir):
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    import transports.vllm_backend  # noqa: F401  (registers the backends in this process)
     from vllm import LLM
+
+    import transports.vllm_backend  # noqa: F401  (registers the backends in this process)
 
     engine = LLM(model=str(tiny_model_dir), dtype="float32", enforce_eager=True, seed=0, max_model_len=128,
                  distributed_executor_backend="uni", weight_transfer_config={"backend": "inflight"},
@@ -76,23 +71,6 @@ def new_weights(checkpoint, seed: int) -> dict[str, torch.Tensor]:
             for k, v in checkpoint.items()}
 
 
-class Corrupting:
-    """Fault injection: flips one byte of bucket 0 after its checksum was computed."""
-
-    def __init__(self, inner):
-        self.inner = inner
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def send(self, header, payload):
-        if header.index == 0:
-            damaged = bytearray(payload)
-            damaged[header.tensors[0].offset] ^= 0x10
-            payload = memoryview(damaged)
-        self.inner.send(header, payload)
-
-
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_transport_updates_a_real_engine(transport, llm, hf_model, checkpoint, tmp_path):
     from transports.vllm_backend import LLMControl
@@ -127,7 +105,7 @@ def test_transport_updates_a_real_engine(transport, llm, hf_model, checkpoint, t
         state.update(new_weights(checkpoint, seed + 50))
         sync.mark_stale()
         real = sync.sender
-        sync.sender = Corrupting(real)
+        sync.sender = CorruptingSender(real)
         try:
             with pytest.raises(ChecksumError) as err:
                 sync.sync_weights()

@@ -9,6 +9,7 @@ import threading
 import pytest
 import torch
 
+from tests.helpers import free_port
 from transports.base import TransportTimeoutError
 from transports.refit.plan import RefitPlan
 from transports.staging import StagingArea
@@ -70,9 +71,7 @@ def test_collective_engine_times_out_when_the_trainer_stalls_mid_transfer(plan_a
 def test_collective_engine_times_out_when_no_trainer_hosts_the_store():
     from transports.collective import CollectiveReceiver
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with pytest.raises(TransportTimeoutError):
         CollectiveReceiver(host="127.0.0.1", port=port, world_size=2, rank=1, arena_bytes=64, timeout_s=TIMEOUT)
 

@@ -111,36 +111,36 @@ class Sim:
         if outcome == "die" or e.dead:
             e.dead = True
             e.paused = False  # a dead engine holds nobody
-            return EngineDied(action.engine, at, error="killed")
+            return EngineDied(engine=action.engine, at=at, error="killed")
         if outcome == "fail":
             if isinstance(action, Stage):
-                return StageFailed(action.engine, at, version=action.version, error="injected")
+                return StageFailed(engine=action.engine, at=at, version=action.version, error="injected")
             step = {Pause: "pause", Swap: "swap", FenceCache: "fence_cache", SetVersion: "set_version",
                     Resume: "resume", Drain: "drain"}[type(action)]
-            return StepFailed(action.engine, at, step=step, error="injected")
+            return StepFailed(engine=action.engine, at=at, step=step, error="injected")
         if isinstance(action, Stage):
             e.staged = action.version
-            return Staged(action.engine, at, version=action.version)
+            return Staged(engine=action.engine, at=at, version=action.version)
         if isinstance(action, Drain):
-            return Drained(action.engine, at)
+            return Drained(engine=action.engine, at=at)
         if isinstance(action, Pause):
             e.paused = True
-            return Paused(action.engine, at)
+            return Paused(engine=action.engine, at=at)
         if isinstance(action, Swap):
             if e.staged != action.version and not action.rollback:
                 # Dropped while the swap was in flight (the coordinator gave up on it, e.g. a
                 # rejoin timed out): the worker refuses to swap in nothing.
-                return StepFailed(action.engine, at, step="swap", error="nothing staged")
+                return StepFailed(engine=action.engine, at=at, step="swap", error="nothing staged")
             e.weights = action.version
-            return Swapped(action.engine, at, version=action.version)
+            return Swapped(engine=action.engine, at=at, version=action.version, requests={})
         if isinstance(action, FenceCache):
-            return CacheFenced(action.engine, at)
+            return CacheFenced(engine=action.engine, at=at)
         if isinstance(action, SetVersion):
             e.label = action.version
-            return VersionSet(action.engine, at, version=action.version)
+            return VersionSet(engine=action.engine, at=at, version=action.version, requests={})
         if isinstance(action, Resume):
             e.paused = False
-            return Resumed(action.engine, at)
+            return Resumed(engine=action.engine, at=at)
         raise AssertionError(action)
 
     def feed(self, event) -> None:
@@ -183,7 +183,7 @@ def test_random_orders_and_failures_keep_the_invariants(data, strategy, policy):
             kind = data.draw(st.sampled_from(choices), label="kind")
             if kind == "timer":
                 timer = sim.timers.pop(data.draw(st.integers(0, len(sim.timers) - 1), label="timer"))
-                sim.feed(Timeout(timer.engine, sim.tick(), phase=timer.phase, token=timer.token))
+                sim.feed(Timeout(engine=timer.engine, at=sim.tick(), phase=timer.phase, token=timer.token))
                 continue
             action = sim.pending.pop(data.draw(st.integers(0, len(sim.pending) - 1), label="which"))
             outcome = data.draw(st.sampled_from(["ok"] * 6 + ["fail", "die", "hang"]), label="outcome")
@@ -226,21 +226,22 @@ def drive_ok(coord: ActivationCoordinator, version: int, fail: dict | None = Non
         action = queue.pop(0)
         seen.append(action)
         t += 1
-        e = action.engine
         if isinstance(action, StartTimer | Record | Fence | DropStaged | Unfence | AbortInflight):
             continue
+        e = action.engine
         kind = type(action).__name__
         if fail.get((e, kind)) == "fail":
-            event = StageFailed(e, t, version=version) if kind == "Stage" else StepFailed(e, t, step=kind.lower())
+            event = (StageFailed(engine=e, at=t, version=version, error="injected") if kind == "Stage"
+                     else StepFailed(engine=e, at=t, step=kind.lower(), error="injected"))
         elif fail.get((e, kind)) == "die":
-            event = EngineDied(e, t)
+            event = EngineDied(engine=e, at=t, error="killed")
         elif fail.get((e, kind)) == "hang":
             continue
         else:
-            event = {"Stage": lambda: Staged(e, t, version=version), "Pause": lambda: Paused(e, t),
-                     "Swap": lambda: Swapped(e, t, version=version, requests={"r1": 3}),
-                     "FenceCache": lambda: CacheFenced(e, t), "SetVersion": lambda: VersionSet(e, t, version=version),
-                     "Resume": lambda: Resumed(e, t), "Drain": lambda: Drained(e, t)}[kind]()
+            event = {"Stage": lambda: Staged(engine=e, at=t, version=version), "Pause": lambda: Paused(engine=e, at=t),
+                     "Swap": lambda: Swapped(engine=e, at=t, version=version, requests={"r1": 3}),
+                     "FenceCache": lambda: CacheFenced(engine=e, at=t), "SetVersion": lambda: VersionSet(engine=e, at=t, version=version, requests={}),
+                     "Resume": lambda: Resumed(engine=e, at=t), "Drain": lambda: Drained(engine=e, at=t)}[kind]()
         queue.extend(coord.handle(event))
     return seen
 
@@ -278,11 +279,11 @@ def test_hanging_stage_times_out_and_the_old_version_stays():
     actions = drive_ok(coord, 1, fail={("a", "Stage"): "hang"})
     assert coord.phase == "staging"
     timer = [a for a in actions if isinstance(a, StartTimer)][0]
-    out = coord.handle(Timeout(None, 99.0, phase=timer.phase, token=timer.token))
+    out = coord.handle(Timeout(engine=None, at=99.0, phase=timer.phase, token=timer.token))
     assert [a.outcome for a in out if isinstance(a, Record)] == [ROLLED_BACK]
     assert coord.live_version == 0 and coord.idle
     # a late answer of the hung engine changes nothing
-    assert coord.handle(Staged("a", 100.0, version=1)) == []
+    assert coord.handle(Staged(engine="a", at=100.0, version=1)) == []
 
 
 def test_engine_dying_during_the_pause_is_fenced_and_the_other_activates():
@@ -300,8 +301,8 @@ def test_rejoin_resyncs_to_the_live_version_before_serving():
     assert coord.fenced == {"b"}
     out = coord.rejoin("b", 10.0)
     assert isinstance(out[0], Stage) and out[0].version == 1
-    events = [Staged("b", 11, version=1), Paused("b", 12), Swapped("b", 13, version=1),
-              CacheFenced("b", 14), VersionSet("b", 15, version=1), Resumed("b", 16)]
+    events = [Staged(engine="b", at=11, version=1), Paused(engine="b", at=12), Swapped(engine="b", at=13, version=1, requests={}),
+              CacheFenced(engine="b", at=14), VersionSet(engine="b", at=15, version=1, requests={}), Resumed(engine="b", at=16)]
     emitted = []
     for ev in events:
         emitted += coord.handle(ev)
@@ -342,3 +343,32 @@ def test_bad_calls_are_refused():
         coord.begin(2, 0.0)
     with pytest.raises(CoordinatorError):
         ActivationCoordinator(["a"]).begin(1, 0.0, rollback=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# the messages themselves
+
+
+def test_messages_are_keyword_only_and_required_fields_have_no_default():
+    import dataclasses
+
+    from orchestrator import activation_messages as msgs
+
+    # A missing version is a TypeError, never version 0; positional arguments are refused.
+    with pytest.raises(TypeError):
+        Stage(engine="a")  # type: ignore[call-arg]
+    with pytest.raises(TypeError):
+        Stage("a", 1)  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        Staged(engine="a", version=1)  # type: ignore[call-arg] - no `at`
+    assert Stage(engine="a", version=3).version == 3
+    # Only the optional flags may have defaults; everything else must be passed.
+    flags = {"rollback", "between_steps"}
+    classes = [c for c in vars(msgs).values()
+               if isinstance(c, type) and dataclasses.is_dataclass(c) and c.__module__ == msgs.__name__]
+    assert len(classes) > 20
+    for cls in classes:
+        for f in dataclasses.fields(cls):
+            assert f.kw_only, f"{cls.__name__}.{f.name} is not keyword-only"
+            has_default = f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+            assert has_default == (f.name in flags), f"{cls.__name__}.{f.name}: default only for optional flags"

@@ -6,8 +6,10 @@ no new requests, per-token versions follow the swap reports."""
 from __future__ import annotations
 
 import functools
+import json
 
 import anyio
+import anyio.lowlevel
 import pytest
 
 from orchestrator import activation as act
@@ -26,6 +28,7 @@ class ScriptedEngine(Engine):
         self.version = 0
         self.calls: list[str] = []
         self.state = "idle"
+        self.staged_version: int | None = None
 
     async def _step(self, name: str) -> None:
         self.calls.append(name)
@@ -69,11 +72,11 @@ class ScriptedEngine(Engine):
     async def collective_rpc(self, method, args=(), kwargs=None, timeout=None):
         await self._step(method)
         if method == "swap_stage":
-            self.state = "staged"
+            self.state, self.staged_version = "staged", json.loads(args[0])["version"]
         if method == "swap_status":
-            return [{"state": self.state, "version": 1}]
+            return [{"state": self.state, "version": self.staged_version}]
         if method == "swap_apply":
-            return [{"version": 1, "requests": {}}]
+            return [{"version": self.staged_version, "requests": {}}]
         return [{}]
 
     async def shutdown(self): ...
@@ -194,21 +197,27 @@ async def test_rejoin_and_activation_never_run_at_once():
     order: list[str] = []
 
     async def activate():
-        await fleet.activate(2)
+        record = await fleet.activate(2)
+        assert record.outcome == act.ACTIVATED, record
         order.append("activate")
 
     async def rejoin():
         await fleet.rejoin("b")
         order.append("rejoin")
 
+    before = len(engines[0].calls)
     async with anyio.create_task_group() as tg:
         tg.start_soon(rejoin)
-        await anyio.sleep(0)
+        while not fleet._activation_lock.locked():  # the rejoin holds the lock
+            await anyio.lowlevel.checkpoint()
         tg.start_soon(activate)
-        await anyio.sleep(0.01)
-        # the activation waits for the rejoin: nothing of it reached engine a yet
-        assert "swap_stage" not in engines[0].calls[-10:] or order
+        # Until the rejoin is done, nothing of the activation reaches engine a (event order,
+        # not time: each step yields to every other task).
+        while not order:
+            assert "swap_stage" not in engines[0].calls[before:]
+            await anyio.lowlevel.checkpoint()
     assert order == ["rejoin", "activate"]
+    assert "swap_stage" in engines[0].calls[before:]
     assert not any(e.paused for e in engines)
 
 
@@ -265,13 +274,145 @@ def test_pause_free_drain_that_times_out_records_old_keys_values_as_carried():
     coord = act.ActivationCoordinator(["a"], strategy="pause_free", kv_policy="drain",
                                       timeouts=act.PhaseTimeouts(drain_s=1.0))
     actions = coord.begin(1, 0.0)
-    actions = coord.handle(act.Staged("a", 0.1, version=1))
+    actions = coord.handle(act.Staged(engine="a", at=0.1, version=1))
     timer = [a for a in actions if isinstance(a, act.StartTimer)][0]
-    actions = coord.handle(act.Timeout(None, 1.2, phase=timer.phase, token=timer.token))
-    actions = coord.handle(act.Swapped("a", 1.3, version=1))
-    actions = coord.handle(act.CacheFenced("a", 1.4))
-    actions = coord.handle(act.VersionSet("a", 1.5, version=1))
+    actions = coord.handle(act.Timeout(engine=None, at=1.2, phase=timer.phase, token=timer.token))
+    actions = coord.handle(act.Swapped(engine="a", at=1.3, version=1, requests={}))
+    actions = coord.handle(act.CacheFenced(engine="a", at=1.4))
+    actions = coord.handle(act.VersionSet(engine="a", at=1.5, version=1, requests={}))
     record = [a for a in actions if isinstance(a, act.Record)][0]
     assert record.outcome == act.ACTIVATED
     assert record.kv_carried is True
     assert "recomputed" not in record.message
+
+
+class LateReportEngine(ScriptedEngine):
+    """A pause-free flip whose report comes back only after the rollout it concerns ended: the
+    worker swaps between two steps, the rollout finishes its tokens (labelled with the old
+    version: the label moves later), and then the answer to swap_apply arrives. Optionally the
+    confirm names a request first scheduled after the flip, or never comes (`fail`)."""
+
+    def __init__(self, engine_id: str, **kw):
+        super().__init__(engine_id, **kw)
+        self.counts: dict[str, int] = {}
+        self.ended = anyio.Event()
+        self.salts: list[str | None] = []
+
+    async def generate(self, request_id, prompt_token_ids, sampling, cache_salt=None):
+        self.salts.append(cache_salt)
+        self.counts[request_id] = 0
+        for i in range(sampling.max_tokens):
+            await anyio.sleep(0.002)
+            self.counts[request_id] += 1
+            last = i == sampling.max_tokens - 1
+            yield TokenChunk([1], [-0.5], finished=last, finish_reason="length" if last else None,
+                             version_spans=[VersionSpan(self.version, 0, sampling.max_tokens)] if last else None)
+        self.ended.set()
+
+    async def collective_rpc(self, method, args=(), kwargs=None, timeout=None):
+        if method == "swap_apply":
+            await self._step(method)
+            at_swap = dict(self.counts)
+            await self.ended.wait()  # the rollout streams to its end before the report is back
+            return [{"version": self.staged_version, "requests": at_swap}]
+        return await super().collective_rpc(method, args, kwargs, timeout)
+
+
+async def activate_mid_rollout(engine: ScriptedEngine, max_tokens: int = 60):
+    """A pause-free activation of version 1 once a rollout on `engine` has 3 tokens; returns
+    the activation's record and the rollout's completion."""
+    fleet = Fleet([engine], strategy="pause_free", kv_policy="keep")
+    done = []
+
+    async def rollout():
+        done.append(await fleet.generate([1], SamplingSettings(max_tokens=max_tokens)))
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(rollout)
+            while max(engine.counts.values(), default=0) < 3:
+                await anyio.sleep(0.001)
+            record = await fleet.activate(1)
+    (completion,) = done
+    return record, completion
+
+
+async def test_a_rollout_that_ends_before_its_swap_report_waits_for_it():
+    record, c = await activate_mid_rollout(LateReportEngine("a"))
+    assert record.outcome == act.ACTIVATED
+    # the tokens after the swap are version 1 although the engine labelled every one 0
+    assert c.status == "completed" and len(c.change_points()) == 2 and c.change_points()[0] == (0, 0)
+    switch, version = c.change_points()[1]
+    assert 3 <= switch < 60 and version == 1
+    assert c.kv_carried_across_versions
+
+
+async def test_a_flip_that_is_never_reported_leaves_its_rollouts_versions_unknown():
+    # the swap's report comes, the confirm (the requests first scheduled after the flip) not
+    _record, c = await activate_mid_rollout(LateReportEngine("a", fail=("swap_confirm",)))
+    # its stream had ended before the engine was fenced: not engine_fenced, and no version is
+    # invented for its tokens
+    assert c.status == "errored" and c.reason == "version_unknown", (c.status, c.reason)
+    assert c.token_ids == [] and c.logprobs == [] and c.change_points() == []
+
+
+async def test_requests_sent_while_an_engine_swaps_share_no_prefix_cache():
+    engine = LateReportEngine("a")
+    fleet = Fleet([engine], strategy="pause_free", kv_policy="keep")
+    done = []
+
+    async def rollout(n):
+        done.append(await fleet.generate([1], SamplingSettings(max_tokens=n)))
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(rollout, 60)
+            while not engine.counts:
+                await anyio.sleep(0.001)
+            tg.start_soon(fleet.activate, 1)
+            while "swap_apply" not in engine.calls:
+                await anyio.sleep(0.001)
+            tg.start_soon(rollout, 5)  # sent while the engine may be flipping
+            tg.start_soon(rollout, 5)
+    assert engine.salts[0] == "inflight-v0"
+    unsettled = engine.salts[1:3]
+    assert len(set(unsettled)) == 2 and all(s.startswith("inflight-v0-") for s in unsettled)
+    await fleet.generate([1], SamplingSettings(max_tokens=2))
+    assert engine.salts[-1] == "inflight-v1"
+
+
+async def test_a_prompt_from_the_prefix_cache_after_a_flip_is_not_attributed():
+    class CacheHit(ScriptedEngine):
+        """Its confirm names one request as first scheduled after the flip with 16 prompt
+        tokens from the prefix cache (its salt was the old version's)."""
+
+        rid: str | None = None
+
+        async def generate(self, request_id, prompt_token_ids, sampling, cache_salt=None):
+            self.rid = request_id
+            async for chunk in super().generate(request_id, prompt_token_ids, sampling, cache_salt):
+                yield chunk
+
+        async def collective_rpc(self, method, args=(), kwargs=None, timeout=None):
+            if method == "swap_confirm":
+                await self._step(method)
+                return [{"requests": {self.rid: 0}, "cached": {self.rid: 16}}]
+            return await super().collective_rpc(method, args, kwargs, timeout)
+
+    engine = CacheHit("a")
+    fleet = Fleet([engine], strategy="pause_free", kv_policy="keep")
+    done = []
+
+    async def rollout():
+        done.append(await fleet.generate([1] * 20, SamplingSettings(max_tokens=100)))
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(rollout)
+            while engine.rid is None:
+                await anyio.sleep(0.001)
+            record = await fleet.activate(1)
+    assert record.outcome == act.ACTIVATED
+    (c,) = done
+    assert c.status == "errored" and c.reason == "version_unknown" and "16 prompt tokens" in c.message
+    assert c.token_ids == [] and c.logprobs == [] and c.change_points() == []

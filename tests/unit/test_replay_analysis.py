@@ -35,6 +35,7 @@ from replay.records import (
     SamplingSettings,
     Timings,
 )
+from tests.helpers import load_safetensors_dir
 
 # Building the model and sampling the log takes a minute or two on a shared CPU, inside the
 # timeout of whichever test runs first.
@@ -45,13 +46,7 @@ COMPLETION = 24
 NOISE = 0.1  # each version moves this far along one fixed random direction (x tensor std)
 
 
-def _load_dir(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    state: dict[str, torch.Tensor] = {}
-    for f in sorted(path.glob("*.safetensors")):
-        state.update(load_file(f))
-    return state
+_load_dir = load_safetensors_dir
 
 
 def _write_version(run_dir: Path, version: int, state: dict[str, torch.Tensor]) -> None:

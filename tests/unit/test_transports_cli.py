@@ -60,6 +60,11 @@ def test_bad_input_names_the_flag(argv, flag, capsys):
     assert err.startswith(f"inflight: error: {flag}")
 
 
+def test_bench_rejects_a_round_count_below_one(capsys):
+    code, _, err = run(["bench", "transports", "--rounds", "0"], capsys)
+    assert code == 2 and err.startswith("inflight: error: --rounds")
+
+
 def test_bench_rejects_unknown_transport(capsys):
     code, _, err = run(["bench", "transports", "--transports", "pigeon"], capsys)
     assert code == 2 and "--transports" in err

@@ -126,3 +126,29 @@ def test_moved_names_stay_importable_where_they_were():
     from transports.synchronizer import WeightSynchronizer as moved
 
     assert WeightSynchronizer is moved
+
+
+def test_transports_and_replay_never_import_orchestrator():
+    """DESIGN.md's dependency direction, lazy imports included (`transports.cli` imported
+    `orchestrator.bench_end_to_end` inside `bench_command`; the orchestrator now hands the
+    runner in)."""
+    offenders = []
+    for package in ("transports", "replay"):
+        for path in (PACKAGE.parent / package).rglob("*.py"):
+            tree = ast.parse(path.read_text(), str(path))
+            for node in ast.walk(tree):
+                names = []
+                if isinstance(node, ast.Import):
+                    names = [alias.name for alias in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    names = [node.module]
+                offenders += [f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {name}" for name in names
+                              if name == "orchestrator" or name.startswith("orchestrator.")]
+    assert not offenders, offenders
+
+
+def test_the_end_to_end_bench_runner_is_handed_in_by_the_orchestrator_cli():
+    from orchestrator.cli import _bench_end_to_end, build_parser
+
+    args = build_parser().parse_args(["bench", "transports", "--end-to-end"])
+    assert args.end_to_end and args.end_to_end_runner is _bench_end_to_end

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import glob
 import time
 
 import msgspec
 import pytest
 import torch
-from safetensors.torch import load_file
 
+from tests.helpers import load_safetensors_dir
 from transports.base import (
     BucketHeader,
     ChecksumError,
@@ -17,7 +16,6 @@ from transports.base import (
     RefitMismatchError,
     TruncatedBucketError,
 )
-from transports.staging import materialize
 from transports.refit.maps import FusedDenseMap, IdentityMap, Qwen3MoeFusedExpertsMap
 from transports.refit.plan import (
     Fp8BlockQuant,
@@ -28,7 +26,7 @@ from transports.refit.plan import (
     apply_views,
     fp8_block_dequantize,
 )
-from transports.staging import StagingArea
+from transports.staging import StagingArea, materialize
 
 
 def meta_of(state_dict):
@@ -75,9 +73,7 @@ def qwen3_moe(tmp_path_factory):
             p.normal_()
     out = tmp_path_factory.mktemp("moe")
     model.save_pretrained(out)
-    checkpoint = {}
-    for f in glob.glob(str(out / "*.safetensors")):
-        checkpoint.update(load_file(f))
+    checkpoint = load_safetensors_dir(out)
     return config, {k: v.detach().clone() for k, v in model.state_dict().items()}, checkpoint
 
 

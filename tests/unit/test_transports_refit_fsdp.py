@@ -4,19 +4,17 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from tests.helpers import free_port
+
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_free_port = free_port
 
 
 def _tiny_model():

@@ -19,28 +19,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.helpers import tiny_model, tiny_plan, tiny_state
 from transports.errors import TransportError, TransportTimeoutError
 from transports.factory import create_weight_synchronizer
 from transports.filesystem import FilesystemReceiver, FilesystemSender
 from transports.refit.plan import RefitPlan
 from transports.staging import StagingArea
 
-
-class Tiny(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.proj = torch.nn.Linear(8, 8)
-        self.out = torch.nn.Linear(8, 4)
-
-
-def version_state(seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {k: torch.randn(v.shape, generator=g) for k, v in Tiny().state_dict().items()}
-
-
-def make_plan(bucket_bytes: int = 256) -> RefitPlan:
-    meta = {k: (tuple(v.shape), v.dtype) for k, v in version_state(0).items()}
-    return RefitPlan.build(meta, wire_dtype=None, bucket_bytes=bucket_bytes)  # fp32: exact, several buckets
+version_state = tiny_state
+make_plan = tiny_plan
 
 
 def publish(root, plan: RefitPlan, version: int, state, attempt: int, commit: bool = True) -> FilesystemSender:
@@ -143,7 +130,7 @@ def swap(monkeypatch):
 
 def extension(swap_module, root, plan: RefitPlan, **cfg):
     torch.manual_seed(0)
-    model = Tiny()
+    model = tiny_model()
     ext = swap_module.SwapWorkerExtension()
     ext.model_runner = SimpleNamespace(get_model=lambda: model, model_config=SimpleNamespace(dtype=torch.float32),
                                        requests={})
@@ -164,15 +151,21 @@ def live_equals(model, state) -> bool:
     return all(torch.equal(model.state_dict()[k], state[k]) for k in state)
 
 
-def test_a_stage_without_attempt_stages_the_committed_version(swap, tmp_path):
-    state = version_state(1)
-    sync = synchronizer(tmp_path, state)
+def staged_extension(swap_module, root, state):
+    """Version 1 (`state`) published by a synchronizer, and an extension that staged it."""
+    sync = synchronizer(root, state)
     sync.mark_stale()
     sync.sync_weights()
-    ext, model = extension(swap, tmp_path, sync.plan)
+    ext, model = extension(swap_module, root, sync.plan)
     ext.swap_stage(json.dumps({"version": 1}))  # what the orchestrator's Fleet sends
     status = wait_state(ext, "staged", "failed")
     assert status["state"] == "staged", status
+    return sync, ext, model, status
+
+
+def test_a_stage_without_attempt_stages_the_committed_version(swap, tmp_path):
+    state = version_state(1)
+    sync, ext, model, status = staged_extension(swap, tmp_path, state)
     assert status["attempt"] >= 1
     ext.swap_apply()
     assert live_equals(model, state)
@@ -238,13 +231,7 @@ def test_a_restage_is_refused_while_the_dropped_thread_still_writes_the_shadow(s
 
 
 def test_a_late_drop_of_another_version_answers_instead_of_deadlocking(swap, tmp_path):
-    state = version_state(1)
-    sync = synchronizer(tmp_path, state)
-    sync.mark_stale()
-    sync.sync_weights()
-    ext, model = extension(swap, tmp_path, sync.plan)
-    ext.swap_stage(json.dumps({"version": 1}))
-    assert wait_state(ext, "staged", "failed")["state"] == "staged"
+    sync, ext, model, _status = staged_extension(swap, tmp_path, version_state(1))
     ext.swap_apply()
     # A failed activation of version 2 drops it everywhere; this worker holds version 1 in its
     # stager (idle): the drop must leave it alone and answer (a deadlock here froze the engine).
@@ -254,4 +241,20 @@ def test_a_late_drop_of_another_version_answers_instead_of_deadlocking(swap, tmp
     thread.join(5)
     assert not thread.is_alive(), "swap_drop deadlocked"
     assert result["version"] == 1
+    sync.shutdown()
+
+
+def test_the_pause_free_watch_reports_new_requests_and_their_prefix_cache_hits(swap, tmp_path):
+    sync, ext, _model, _status = staged_extension(swap, tmp_path, version_state(1))
+    steps = []
+    ext.model_runner.execute_model = lambda scheduler_output: steps.append(scheduler_output)
+    ext.swap_apply(json.dumps({"watch": True}))
+    new = [SimpleNamespace(req_id="a-1", num_computed_tokens=0), SimpleNamespace(req_id="b-2", num_computed_tokens=16)]
+    ext.model_runner.execute_model(SimpleNamespace(scheduled_new_reqs=new))
+    # a request seen again (resumed) keeps what its first scheduling reported
+    ext.model_runner.execute_model(SimpleNamespace(scheduled_new_reqs=[SimpleNamespace(req_id="b-2", num_computed_tokens=0)]))
+    assert len(steps) == 2  # the real step still ran
+    assert ext.swap_confirm() == {"requests": {"a-1": 0, "b-2": 0}, "cached": {"b-2": 16}}
+    ext.model_runner.execute_model(SimpleNamespace(scheduled_new_reqs=[SimpleNamespace(req_id="c-3", num_computed_tokens=0)]))
+    assert ext.swap_confirm() == {"requests": {}, "cached": {}}  # the watch ended with the confirm
     sync.shutdown()

@@ -202,8 +202,10 @@ class RefitPlan:
         prefetch: bool | None = None,
         attempt: int = 0,
         hold: int = 0,
-    ) -> Iterator[tuple[BucketHeader, memoryview]]:
-        """Yields (header, payload) per bucket. A payload stays valid until bucket k+1+`hold` is
+    ) -> Iterator[tuple[BucketHeader, memoryview | torch.Tensor | BucketPayload]]:
+        """Yields (header, payload) per bucket: a memoryview of a host arena, the slice of a CUDA
+        arena (a uint8 tensor), or with `arenas=DirectArenas(...)` a `BucketPayload` (tensors
+        that need no copy are the trainer's own). A payload stays valid until bucket k+1+`hold` is
         requested; with two arenas, bucket k+1 is packed on a thread while bucket k is sent.
         `hold=1` is for a sender that returns from `send(k)` while the far side still reads
         bucket k (it waits for bucket k-1 instead): the arena of bucket k is then refilled only
@@ -211,13 +213,20 @@ class RefitPlan:
 
         Sources that are DTensors (FSDP2) are gathered with `full_tensor()`, a collective every
         rank must run in the same order: then packing stays on the calling thread."""
+        direct = arenas.min_bytes if isinstance(arenas, DirectArenas) else None
+        if direct is not None and not arenas:  # a sender's own, filled on first use and kept across versions
+            arenas.extend(torch.empty(self.arena_bytes, dtype=torch.uint8, device=arenas.device) for _ in range(2))
         arenas = list(arenas) if arenas is not None else [torch.empty(self.arena_bytes, dtype=torch.uint8) for _ in range(2)]
         if not 0 <= hold < len(arenas):
             raise TransportError(f"hold={hold} needs more than {len(arenas)} arenas")
-        sharded = any(_is_dtensor(state_dict[e.source]) for e in self.spec.entries)
+        # A mapping that gathers on read (transports.refit.gather.GatheredStateDict) is never
+        # indexed up front: each read there is a collective, taken in plan order on this thread.
+        sharded = getattr(state_dict, "gathers_on_read", False) or any(
+            _is_dtensor(state_dict[e.source]) for e in self.spec.entries)
         if prefetch is None:
             prefetch = not sharded and self.bucket_count > 1
-        fill = lambda k: self._fill(k, state_dict, arenas[k % len(arenas)], version, kv_scales, checksums, attempt)  # noqa: E731
+        fill = lambda k: self._fill(k, state_dict, arenas[k % len(arenas)], version, kv_scales, checksums,  # noqa: E731
+                                    attempt, direct)
         if not prefetch:
             return (fill(k) for k in range(self.bucket_count))
         # The packing thread starts now, not at the first next(): a caller can overlap its own
@@ -225,9 +234,17 @@ class RefitPlan:
         return _Prefetched(fill, self.bucket_count, depth=len(arenas), hold=hold)
 
     def _fill(self, k: int, state_dict, arena: torch.Tensor, version: int, kv_scales, checksums: bool,
-              attempt: int = 0):
+              attempt: int = 0, direct: int | None = None):
+        """Packs bucket k into `arena` (torch copies, so a CUDA arena is filled on its device).
+        `direct` (a byte count): a tensor at least that large whose views leave it contiguous,
+        in the wire dtype and on the arena's device is not copied at all; the payload (`BucketPayload`) points at the trainer's own
+        bytes for it. Checksums (crc32c) are computed over host bytes only: a device bucket
+        (CUDA IPC, NCCL) never crosses a wire of ours, so its header says `checksums=False`."""
         metas = []
-        view = memoryview(arena.numpy())
+        on_host = arena.device.type == "cpu"
+        checksums = checksums and on_host
+        view = memoryview(arena.numpy()) if on_host else None
+        sent_directly: dict[str, torch.Tensor] = {}
         for entry in self.by_bucket[k]:
             source = state_dict.get(entry.source)
             if source is None:
@@ -235,14 +252,103 @@ class RefitPlan:
             if _is_dtensor(source):
                 source = source.full_tensor()
             src = apply_views(source.detach(), entry.views)
-            dst = arena[entry.offset:entry.offset + entry.nbytes].view(parse_dtype(entry.wire_dtype)).view(entry.shape)
-            dst.copy_(src)
-            crc = checksum(view[entry.offset:entry.offset + entry.nbytes]) if checksums else 0
+            wire = parse_dtype(entry.wire_dtype)
+            crc = 0
+            if (direct is not None and entry.nbytes and entry.nbytes >= direct and src.dtype == wire and src.device == arena.device
+                    and src.is_contiguous() and src.numel() * wire.itemsize == entry.nbytes):
+                flat = src.reshape(-1).view(torch.uint8)
+                sent_directly[entry.name] = flat
+                if checksums:
+                    crc = checksum(memoryview(flat.numpy()))
+            else:
+                dst = arena[entry.offset:entry.offset + entry.nbytes].view(wire).view(entry.shape)
+                dst.copy_(src)
+                if checksums:
+                    crc = checksum(view[entry.offset:entry.offset + entry.nbytes])
             metas.append(TensorMeta(entry.name, entry.shape, entry.wire_dtype, entry.offset, entry.nbytes, crc))
         nbytes = self.bucket_nbytes[k]
         header = BucketHeader(version, k, self.bucket_count, nbytes, tuple(metas), checksums,
                               kv_scales if k == 0 else None, attempt)
-        return header, view[:nbytes]
+        if not on_host:
+            # The copies above were queued on this thread's stream: the bucket is complete, for
+            # another process (CUDA IPC) or another stream (NCCL), only once they ran.
+            torch.cuda.current_stream(arena.device).synchronize()
+        if direct is not None:
+            return header, BucketPayload(arena, sent_directly, header.tensors, nbytes)
+        return header, (view[:nbytes] if on_host else arena[:nbytes])
+
+
+class DirectArenas(list):
+    """The two arenas of a sender that can send one bucket from several buffers (vectored
+    socket writes, one broadcast per tensor): `pack(..., arenas=DirectArenas())` then yields a
+    `BucketPayload` per bucket, in which every tensor that needs no copy (contiguous after its
+    views, already in the wire dtype, on the arenas' device) is the trainer's own memory and
+    only the rest is packed into the arena. Empty: `pack` allocates both arenas (of the plan's
+    size, on `device`) on first use; the sender keeps them across versions. An arena page that
+    no tensor is packed into is never touched, so it costs no resident memory."""
+
+    def __init__(self, arenas=(), device: str | torch.device = "cpu", min_bytes: int = 0):
+        super().__init__(arenas)
+        self.device = torch.device(device)
+        self.min_bytes = min_bytes  # smaller tensors are packed all the same
+
+
+class BucketPayload:
+    """One bucket's payload as the trainer's own tensors plus an arena: `segments()` gives the
+    buffers in payload order, `len()` the payload length. Behaves as a read-only byte sequence
+    for code that slices or copies a payload (`payload[:n]`, `bytes(payload)`): those
+    assemble the bytes (slow; fault injection in tests, never a sender's hot path)."""
+
+    def __init__(self, arena: torch.Tensor, direct: Mapping[str, torch.Tensor], tensors: Sequence[TensorMeta],
+                 nbytes: int):
+        self.arena = arena
+        self.direct = dict(direct)  # engine name -> flat uint8 view of the trainer's tensor
+        self.tensors = tuple(sorted(tensors, key=lambda m: m.offset))
+        self.nbytes = nbytes
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def source(self, meta: TensorMeta) -> torch.Tensor:
+        """The flat uint8 bytes of one tensor: the trainer's own, or its span of the arena."""
+        flat = self.direct.get(meta.name)
+        if flat is not None and flat.numel() == meta.nbytes:
+            return flat
+        return self.arena[meta.offset:meta.offset + meta.nbytes]
+
+    def segments(self) -> list[torch.Tensor]:
+        """Flat uint8 tensors that, written one after another, are the payload: arena spans
+        (packed tensors and the padding between them) merged where they touch."""
+        out: list[torch.Tensor] = []
+        pos, run = 0, 0  # run: start of the arena span not yet emitted
+        for meta in self.tensors:
+            if meta.name not in self.direct or meta.offset < pos or meta.offset >= self.nbytes:
+                continue  # packed into the arena (or overlapping: left to the arena's bytes)
+            if meta.offset > run:
+                out.append(self.arena[run:meta.offset])
+            end = min(meta.offset + meta.nbytes, self.nbytes)  # a truncated payload ends inside it
+            out.append(self.direct[meta.name][:end - meta.offset])
+            pos = run = end
+        if self.nbytes > run:
+            out.append(self.arena[run:self.nbytes])
+        return out
+
+    def tobytes(self) -> bytes:
+        return b"".join(t.cpu().numpy().tobytes() for t in self.segments())
+
+    def __bytes__(self) -> bytes:
+        return self.tobytes()
+
+    def __iter__(self):
+        return iter(self.tobytes())
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            start, stop, step = index.indices(self.nbytes)
+            if start == 0 and step == 1:  # a truncated payload: the same buffers, fewer bytes
+                return BucketPayload(self.arena, self.direct, self.tensors, max(0, stop))
+            return memoryview(self.tobytes())[index]
+        return self.tobytes()[index]
 
 
 class _Prefetched:
