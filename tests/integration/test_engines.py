@@ -52,10 +52,25 @@ async def test_every_token_carries_a_weight_version(engine):
 
 
 async def test_aborting_one_of_several_requests_leaves_the_others_complete(engine):
-    n, victim = 4, f"abort-{engine.engine_id}-1"
-    # The victim asks for far more tokens than it could produce before the abort lands, even
-    # when a server's stream lags seconds behind its engine.
-    victim_sampling = SamplingSettings(max_tokens=20_000, ignore_eos=True)
+    # The victim asks for as many tokens as the model's context allows. Still, an abort call to
+    # a busy server can take seconds to reach the engine (../shared/VLLM_CPU.md measured up to
+    # 14 s for a control call under streaming load), and the victim may finish first. Such an
+    # attempt shows nothing about aborts, so it is tried again; an abort that never lands fails.
+    victim_max = 32_000
+    for attempt in range(3):
+        results = await _abort_one_of_four(engine, attempt, victim_max)
+        victim = results.pop("victim")
+        for rid, (count, reason) in results.items():
+            assert (count, reason) == (400, "length"), rid
+        if victim != (victim_max, "length"):
+            break
+    assert victim[1] == "abort", f"the victim finished {victim} in 3 attempts; no abort landed"
+    assert victim[0] < victim_max
+
+
+async def _abort_one_of_four(engine, attempt: int, victim_max: int) -> dict:
+    victim = f"abort-{engine.engine_id}-{attempt}-1"
+    victim_sampling = SamplingSettings(max_tokens=victim_max, ignore_eos=True)
     sampling = SamplingSettings(max_tokens=400, ignore_eos=True)
     results = {}
     first_tokens = anyio.Event()
@@ -68,18 +83,14 @@ async def test_aborting_one_of_several_requests_leaves_the_others_complete(engin
                 first_tokens.set()
             if chunk.finished:
                 reason = chunk.finish_reason
-        results[rid] = (len(tokens), reason)
+        results["victim" if rid == victim else rid] = (len(tokens), reason)
 
     async with anyio.create_task_group() as tg:
-        for i in range(n):
-            tg.start_soon(one, f"abort-{engine.engine_id}-{i}")
+        for i in range(4):
+            tg.start_soon(one, f"abort-{engine.engine_id}-{attempt}-{i}")
         await first_tokens.wait()
         await engine.abort(victim)
-    assert results[victim][1] == "abort"
-    assert results[victim][0] < 20_000
-    for rid, (count, reason) in results.items():
-        if rid != victim:
-            assert (count, reason) == (400, "length"), rid
+    return results
 
 
 async def test_pause_in_keep_mode_holds_requests_and_resume_completes_them(engine):
