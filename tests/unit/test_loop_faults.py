@@ -7,7 +7,7 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from orchestrator.bench_orchestrator import BenchRun, fake_engine
+from orchestrator.bench_orchestrator import TOKENS, BenchRun, fake_engine
 from orchestrator.errors import EngineGenerateError
 from orchestrator.fleet import Fleet
 from orchestrator.loop import RunLoop
@@ -41,11 +41,21 @@ def make_run(tmp_path, fail_every: int = 0, tokens_delay: float = 0.0, grace_s: 
     return run
 
 
-async def drive(run, stop_after_s: float | None = None):
+def mid_stream(run) -> bool:
+    """A rollout streams with at least half of its tokens still to come."""
+    return any(0 < t.n_tokens <= TOKENS // 2 for t in run.fleet.tracks.values())
+
+
+async def drive(run, stop_after_s: float | None = None, stop_mid_stream: bool = False):
+    """Run the loop to its end; with `stop_after_s`, ask it to stop after that long (and, with
+    `stop_mid_stream`, then at the first moment a rollout is mid-stream: the loop pauses
+    between waves of rollouts, and a stop in such a gap would find nothing in flight)."""
     async with anyio.create_task_group() as tg:
         if stop_after_s is not None:
             async def stopper():
                 await anyio.sleep(stop_after_s)
+                while stop_mid_stream and not mid_stream(run):
+                    await anyio.sleep(0.001)
                 run.loop.request_stop("test")
             tg.start_soon(stopper)
         with anyio.fail_after(120):
@@ -83,7 +93,8 @@ async def test_failing_requests_are_errored_replaced_and_the_run_completes(tmp_p
 @pytest.mark.timeout(180)
 async def test_a_stop_past_its_grace_gives_every_rollout_in_flight_its_terminal_record(tmp_path):
     run = make_run(tmp_path, tokens_delay=0.01, grace_s=0.05)  # the fake ignores aborts: cancelled
-    await drive(run, stop_after_s=1.0)
+    # A rollout with half its tokens to come needs far longer than the grace to finish.
+    await drive(run, stop_after_s=0.5, stop_mid_stream=True)
     records, rollouts = check(tmp_path)
     assert run.scheduler.done_steps < run.max_steps
     dropped = [r for r in rollouts if r.status_name == "dropped"]
