@@ -1,6 +1,7 @@
 """Helpers shared by tests (one copy of each): a free TCP port, every safetensors file of a
 directory, a raw HTTP exchange over a socket, a sender that damages buckets on their way
-out (fault injection), and a two-layer model's versions with their refit plan (staging tests)."""
+out (fault injection), a two-layer model's versions with their refit plan (staging tests), and
+an in-process vLLM engine with the inflight weight-transfer backend."""
 
 from __future__ import annotations
 
@@ -12,6 +13,22 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def inflight_llm(model_dir, **kwargs):
+    """An in-process vLLM engine (fp32, eager, one process) whose weights the project's
+    transports update (`transports.vllm_backend`); `kwargs` override or add engine arguments."""
+    import os
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM
+
+    import transports.vllm_backend  # noqa: F401  (registers the backends in this process)
+
+    args = dict(dtype="float32", enforce_eager=True, seed=0, max_model_len=128, distributed_executor_backend="uni",
+                weight_transfer_config={"backend": "inflight"},
+                worker_extension_cls="transports.vllm_backend.InflightWorkerExtension")
+    return LLM(model=str(model_dir), **{**args, **kwargs})
 
 
 def load_safetensors_dir(path):

@@ -85,18 +85,9 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, samples
                config: TrainerConfig, pad_id: int, step: int | None = None,
                temperature: float = 1.0) -> StepResult:
     """One optimizer step on one batch of samples (pure compute: no I/O)."""
-    if not samples:
-        raise ValueError("a batch needs at least one sample")
-    prompts = [unpack_i32(s.prompt_token_ids).tolist() for s in samples]
-    completions = [unpack_i32(s.completion_token_ids).tolist() for s in samples]
-    recorded = [unpack_f32(s.logprobs) for s in samples]
-    for s, c, lp in zip(samples, completions, recorded):
-        if len(c) != len(lp):
-            raise ValueError(f"rollout {s.rollout_id}: {len(c)} completion tokens but {len(lp)} logprobs")
+    prompts, completions, recorded, rewards, advantages = _unpack(samples, config)
     behaviour = torch.from_numpy(np.concatenate(recorded).astype(np.float32))
     batch = PackedBatch(prompts, completions, pad_id)
-    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-    advantages = group_advantages(rewards, torch.tensor([s.group_id for s in samples]), config.normalize_std)
 
     optimizer.zero_grad(set_to_none=True)
     logp = completion_logprobs(model, batch, temperature)
@@ -110,10 +101,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, samples
     optimizer.step()
 
     metrics = {**stats, "grad_norm": float(grad_norm), "samples": float(len(samples))}
-    if step is not None:
-        # Staleness of a sample consumed by step s: (s - 1) - its dispatched version.
-        lags = [(step - 1) - s.dispatched_version for s in samples]
-        metrics.update(staleness_mean=float(np.mean(lags)), staleness_max=float(max(lags)))
+    metrics.update(_staleness(samples, step))
     return StepResult(loss=float(loss.detach()), reward_mean=float(rewards.mean()), metrics=metrics,
                       rollout_ids=[s.rollout_id for s in samples], advantages=advantages.tolist(),
                       log_ratio_mean=lr_mean.tolist(), log_ratio_max_abs=lr_max.tolist())
@@ -126,18 +114,9 @@ def train_step_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     the same result as one process on the whole batch (every rank returns it)."""
     import torch.distributed as dist
 
-    if not samples:
-        raise ValueError("a batch needs at least one sample")
     device = device or torch.device("cpu")
-    prompts = [unpack_i32(s.prompt_token_ids).tolist() for s in samples]
-    completions = [unpack_i32(s.completion_token_ids).tolist() for s in samples]
-    recorded = [unpack_f32(s.logprobs) for s in samples]
-    for s, c, lp in zip(samples, completions, recorded):
-        if len(c) != len(lp):
-            raise ValueError(f"rollout {s.rollout_id}: {len(c)} completion tokens but {len(lp)} logprobs")
-    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
     # Groups are normalised over the whole batch, which every rank holds.
-    advantages = group_advantages(rewards, torch.tensor([s.group_id for s in samples]), config.normalize_std)
+    prompts, completions, recorded, rewards, advantages = _unpack(samples, config)
     tokens = sum(len(c) for c in completions)
     lo, hi = len(samples) * ranks.rank // ranks.world, len(samples) * (ranks.rank + 1) // ranks.world
 
@@ -168,12 +147,34 @@ def train_step_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     parts: list = [None] * ranks.world
     dist.all_gather_object(parts, (float(local_sum.detach()), stats, lr_mean.tolist(), lr_max.tolist()))
     metrics = {**merge_stats([p[1] for p in parts]), "grad_norm": float(grad_norm), "samples": float(len(samples))}
-    if step is not None:
-        lags = [(step - 1) - s.dispatched_version for s in samples]
-        metrics.update(staleness_mean=float(np.mean(lags)), staleness_max=float(max(lags)))
+    metrics.update(_staleness(samples, step))
     return StepResult(loss=sum(p[0] for p in parts) / max(tokens, 1), reward_mean=float(rewards.mean()),
                       metrics=metrics, rollout_ids=[s.rollout_id for s in samples], advantages=advantages.tolist(),
                       log_ratio_mean=[v for p in parts for v in p[2]], log_ratio_max_abs=[v for p in parts for v in p[3]])
+
+
+def _unpack(samples: Sequence[Sample], config: TrainerConfig):
+    """(prompts, completions, recorded logprobs, rewards, group-normalised advantages) of a
+    batch; a sample whose logprobs do not cover its completion is refused, naming it."""
+    if not samples:
+        raise ValueError("a batch needs at least one sample")
+    prompts = [unpack_i32(s.prompt_token_ids).tolist() for s in samples]
+    completions = [unpack_i32(s.completion_token_ids).tolist() for s in samples]
+    recorded = [unpack_f32(s.logprobs) for s in samples]
+    for s, c, lp in zip(samples, completions, recorded):
+        if len(c) != len(lp):
+            raise ValueError(f"rollout {s.rollout_id}: {len(c)} completion tokens but {len(lp)} logprobs")
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+    advantages = group_advantages(rewards, torch.tensor([s.group_id for s in samples]), config.normalize_std)
+    return prompts, completions, recorded, rewards, advantages
+
+
+def _staleness(samples: Sequence[Sample], step: int | None) -> dict[str, float]:
+    """Staleness of a sample consumed by step s: (s - 1) - its dispatched version."""
+    if step is None:
+        return {}
+    lags = [(step - 1) - s.dispatched_version for s in samples]
+    return {"staleness_mean": float(np.mean(lags)), "staleness_max": float(max(lags))}
 
 
 def _on(batch: PackedBatch, device: torch.device) -> PackedBatch:

@@ -5,13 +5,12 @@ longer match the weights before the step."""
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import pytest
 import torch
 
-from tests.helpers import load_safetensors_dir
+from tests.helpers import inflight_llm, load_safetensors_dir
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -61,14 +60,7 @@ def stepped(tiny_model_dir, toy_batch):
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir, stepped):
     # After `stepped`: the JAX step runs before the engine pins this process's thread to core 0.
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from vllm import LLM
-
-    import transports.vllm_backend  # noqa: F401  (registers the backends in this process)
-
-    engine = LLM(model=str(tiny_model_dir), dtype="float32", enforce_eager=True, seed=0, max_model_len=128,
-                 distributed_executor_backend="uni", weight_transfer_config={"backend": "inflight"},
-                 worker_extension_cls="transports.vllm_backend.InflightWorkerExtension")
+    engine = inflight_llm(tiny_model_dir)
     yield engine
     del engine
 

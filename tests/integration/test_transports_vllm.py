@@ -4,12 +4,11 @@ is refused naming the tensor and the engine keeps serving its old weights."""
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
-from tests.helpers import CorruptingSender, load_safetensors_dir
+from tests.helpers import CorruptingSender, inflight_llm, load_safetensors_dir
 from transports.base import ChecksumError
 from transports.factory import TrainCluster, create_weight_synchronizer
 
@@ -26,14 +25,7 @@ def checkpoint(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir):
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from vllm import LLM
-
-    import transports.vllm_backend  # noqa: F401  (registers the backends in this process)
-
-    engine = LLM(model=str(tiny_model_dir), dtype="float32", enforce_eager=True, seed=0, max_model_len=128,
-                 distributed_executor_backend="uni", weight_transfer_config={"backend": "inflight"},
-                 worker_extension_cls="transports.vllm_backend.InflightWorkerExtension")
+    engine = inflight_llm(tiny_model_dir)
     yield engine
     del engine
 

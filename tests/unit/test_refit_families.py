@@ -15,12 +15,12 @@ from __future__ import annotations
 import gc
 import glob
 import importlib.util
-import os
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.helpers import inflight_llm
 from transports.errors import RefitMismatchError, TransportConfigError
 from transports.factory import create_weight_synchronizer
 from transports.refit.families import (
@@ -292,16 +292,8 @@ def _missing_cpu_kernel(exc: BaseException) -> str | None:
 
 
 def _start_engine(model_dir, dtype: str):
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from vllm import LLM
-
-    import transports.vllm_backend  # noqa: F401  (registers the backends in this process)
-
     # No prefix caching: the same prompt is sampled under several versions.
-    return LLM(model=str(model_dir), dtype=dtype, enforce_eager=True, seed=0, max_model_len=128,
-               skip_tokenizer_init=True, enable_prefix_caching=False, distributed_executor_backend="uni",
-               weight_transfer_config={"backend": "inflight"},
-               worker_extension_cls="transports.vllm_backend.InflightWorkerExtension")
+    return inflight_llm(model_dir, dtype=dtype, skip_tokenizer_init=True, enable_prefix_caching=False)
 
 
 def _round_to_bf16(model) -> None:
