@@ -103,6 +103,9 @@ class _EngineRun:
     resumed: bool = False
     resumed_at: float | None = None
     requests: dict[str, int] = field(default_factory=dict)
+    # A fenced engine coming back with this version (`join_next`): it takes every step with
+    # the others, but its failure fails only itself (it stays fenced) and never the version.
+    joining: bool = False
 
 
 class CoordinatorError(RuntimeError):
@@ -143,6 +146,8 @@ class ActivationCoordinator:
         self._rejoin_tokens: dict[str, int] = {}
         self._rejoin_counter = 0
         self._rejoin_version: dict[str, int] = {}
+        # fenced engines that come back with the next version that goes live (`join_next`)
+        self.joining: set[str] = set()
 
     # -- queries -----------------------------------------------------------------------------
     @property
@@ -172,14 +177,18 @@ class ActivationCoordinator:
         if rollback and self.strategy == "pause_swap":
             raise CoordinatorError("rollback is a flip back: it needs double buffering")
         participants = [e for e in self.engines if e not in self.fenced and e not in self.rejoining]
+        # A rollback flips back to what the serving engines' other buffer holds; a joiner's
+        # other buffer holds nothing of it.
+        joiners = [] if rollback else [e for e in self.engines if e in self.joining and e not in self.rejoining]
         self.version, self.rollback, self.started_at, self.messages = version, rollback, at, []
         self._applied = False
         self._kv_kept = False
-        if not participants:
+        if not participants and not joiners:
             return self._finish(at, FAILED, "no engine serves: all are fenced")
         self.runs = {e: _EngineRun() for e in participants}
+        self.runs.update({e: _EngineRun(joining=True) for e in joiners})
         self.phase = STAGING
-        actions: list[Action] = [Stage(engine=e, version=version, rollback=rollback) for e in participants]
+        actions: list[Action] = [Stage(engine=e, version=version, rollback=rollback) for e in self.runs]
         actions.append(self._timer(STAGING, self.timeouts.stage_s))
         return actions
 
@@ -189,11 +198,26 @@ class ActivationCoordinator:
             raise CoordinatorError(f"{engine} is not fenced")
         if engine in self.rejoining:
             return []
+        self.joining.discard(engine)  # re-synced to the live version instead
         self.rejoining[engine] = "stage"
         self._rejoin_counter += 1
         self._rejoin_tokens[engine] = self._rejoin_counter
         return [Stage(engine=engine, version=self.live_version),
                 StartTimer(engine=engine, phase="rejoin", token=self._rejoin_counter, seconds=self.timeouts.rejoin_s)]
+
+    def join_next(self, engine: str) -> list[Action]:
+        """Bring a fenced engine back with the next version that goes live, rather than the
+        live one: a push transport's trainer sends each version once, to the engines it
+        includes, so the live version never comes again (`rejoin` stages the live version and
+        suits the filesystem). The engine takes every step of the next activation with the
+        others and is unfenced when that version goes live; if it fails, it alone stays fenced
+        (and no longer joins), and the version goes on without it."""
+        if engine not in self.fenced:
+            raise CoordinatorError(f"{engine} is not fenced")
+        if engine in self.rejoining:
+            raise CoordinatorError(f"{engine} is already rejoining at the live version")
+        self.joining.add(engine)
+        return []
 
     def handle(self, event: Event) -> list[Action]:
         if event.engine is not None and event.engine in self.rejoining:
@@ -238,8 +262,24 @@ class ActivationCoordinator:
                 return []
             return self._after_staging(event.at)
         if isinstance(event, StageFailed) and event.version == self.version:
+            if run.joining:
+                return self._drop_joiner(event.engine, f"failed to stage: {event.error}", event.at)
             return self._abort_staging(event.at, f"{event.engine} failed to stage: {event.error}")
         return []
+
+    def _drop_joiner(self, engine: str, why: str, at: float) -> list[Action]:
+        """A joiner failed while the version stages: it stays fenced, the others go on."""
+        self.runs[engine].failed = True
+        self.joining.discard(engine)
+        self.messages.append(f"{engine} did not join ({why})")
+        actions: list[Action] = [DropStaged(engine=engine, version=self.version)]
+        if self._all("staged"):
+            actions += self._staging_done(at)
+        return actions
+
+    def _staging_done(self, at: float) -> list[Action]:
+        # Nobody left (every participant was a joiner that failed): nothing to drain or pause.
+        return self._after_staging(at) if self._live_runs() else self._start_resume(at)
 
     def _after_staging(self, at: float) -> list[Action]:
         if self.kv_policy == "drain":
@@ -322,16 +362,24 @@ class ActivationCoordinator:
         return self._conclude(at)
 
     def _conclude(self, at: float) -> list[Action]:
-        failed = [e for e, r in self.runs.items() if r.failed]
+        failed = [e for e, r in self.runs.items() if r.failed and not r.joining]
         if not self._applied:
             outcome = FAILED
         elif failed:
             outcome = ENGINE_FENCED
         else:
             outcome = ACTIVATED
-        return self._finish(at, outcome, "; ".join(self.messages))
+        joined: list[Action] = []
+        for e, r in self.runs.items():
+            if r.joining and not r.failed and self._applied:
+                self.fenced.discard(e)
+                self.joining.discard(e)
+                joined.append(Unfence(engine=e, version=self.version))
+        return joined + self._finish(at, outcome, "; ".join(self.messages))
 
     def _engine_failed(self, engine: str, step: str, error: str, at: float) -> list[Action]:
+        if self.phase == STAGING and self.runs[engine].joining:
+            return self._drop_joiner(engine, f"{step}: {error}", at)
         if self.phase == STAGING:
             actions = self._abort_staging(at, f"{engine} {step} while staging: {error}")
             if step == "died" and engine not in self.fenced:
@@ -343,9 +391,14 @@ class ActivationCoordinator:
     def _mark_failed(self, engine: str, step: str, error: str) -> list[Action]:
         run = self.runs[engine]
         run.failed = True
-        self.messages.append(f"{engine} fenced ({step}: {error})")
-        self.fenced.add(engine)
-        actions: list[Action] = [Fence(engine=engine, reason=f"{step}: {error}")]
+        actions: list[Action] = []
+        if run.joining:  # fenced already: it stays so
+            self.joining.discard(engine)
+            self.messages.append(f"{engine} did not join ({step}: {error})")
+        else:
+            self.messages.append(f"{engine} fenced ({step}: {error})")
+            self.fenced.add(engine)
+            actions.append(Fence(engine=engine, reason=f"{step}: {error}"))
         if step == "died":
             run.resumed = True  # nothing left to resume
         elif run.paused and not run.resumed and self.phase != RESUMING:
@@ -376,7 +429,15 @@ class ActivationCoordinator:
             return []  # the timer of a finished phase
         at = event.at
         if self.phase == STAGING:
-            late = [e for e, r in self.runs.items() if r.step == "stage"]
+            late = [e for e, r in self.runs.items() if r.step == "stage" and not r.failed]
+            if all(self.runs[e].joining for e in late):
+                actions: list[Action] = []
+                for e in late:  # a late joiner stays fenced; the version goes on without it
+                    self.runs[e].failed = True
+                    self.joining.discard(e)
+                    self.messages.append(f"{e} did not join (staging timed out after {self.timeouts.stage_s}s)")
+                    actions.append(DropStaged(engine=e, version=self.version))
+                return actions + self._staging_done(at)
             return self._abort_staging(at, f"staging timed out after {self.timeouts.stage_s}s on {', '.join(late)}")
         if self.phase == DRAINING:
             if self.pauses:
@@ -391,15 +452,12 @@ class ActivationCoordinator:
                     r.step = "drained"
             return self._after_drain(at)
         if self.phase == RESUMING:
-            actions: list[Action] = []
+            actions = []
             for e, r in self.runs.items():
                 if r.paused and not r.resumed:
                     r.resumed = True
                     if not r.failed:
-                        r.failed = True
-                        self.fenced.add(e)
-                        self.messages.append(f"{e} fenced (resume timed out)")
-                        actions.append(Fence(engine=e, reason="resume timed out"))
+                        actions += self._mark_failed(e, "resume", "timed out")
             return actions + self._conclude(at)
         # PAUSING or SWAPPING: engines that have not answered are fenced; the rest go on.
         want = {PAUSING: ("pause",), SWAPPING: ("swap", "fence_cache", "set_version")}[self.phase]

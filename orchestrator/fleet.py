@@ -387,8 +387,18 @@ class Fleet(RolloutStreams):
                 if t.cancel is not None:
                     t.cancel.cancel()
 
+    def join_next(self, engine_id: str) -> None:
+        """A fenced engine comes back with the next version that goes live (see
+        `ActivationCoordinator.join_next`): the way back under a push transport, whose trainer
+        never sends the live version again. First the engine must be ready to receive (after a
+        restart: `setup` again, which keeps the other engines' receivers) and the trainer must
+        send to it again (`sync.include_engine(i)`); the next `activate` then stages, flips and
+        unfences it with the others."""
+        self.coordinator.join_next(engine_id)
+
     async def rejoin(self, engine_id: str) -> bool:
-        """Re-sync a fenced engine to the live version; True when it serves again."""
+        """Re-sync a fenced engine to the live version; True when it serves again. (A push
+        transport never sends the live version again: use `join_next` there.)"""
         async with self._activation_lock:
             return await self._rejoin(engine_id)
 

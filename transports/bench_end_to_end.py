@@ -18,6 +18,9 @@ stderr), stdin the commands.
     {"cmd": "reconnect"}
                       a fresh sender (a collective group broken by a failed version needs a new
                       rendezvous): {"options": [...]}, then {"connected": ...}
+    {"cmd": "exclude", "engine": i} / {"cmd": "include", "engine": i}
+                      leave engine i out of the versions that follow / take it back
+                      (`exclude_engine` / `include_engine`): {"ok": bool, "error": ...}
     {"cmd": "stop"}
 
 CONFIG_JSON: {"transport", "model_dir", "engines", "timeout_s", "bucket_bytes", "root" (the
@@ -175,6 +178,13 @@ def trainer_main(config: dict[str, Any]) -> int:
             sync.reconnect()  # type: ignore[attr-defined]
             _emit({"options": options()})
             connect()
+            continue
+        if kind in ("exclude", "include"):
+            try:
+                getattr(sync, f"{kind}_engine")(int(command["engine"]))
+                _emit({"ok": True})
+            except Exception as exc:  # noqa: BLE001 - reported to the parent
+                _emit({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
             continue
         if kind != "sync":
             _emit({"ok": False, "error": f"unknown command {kind!r}"})

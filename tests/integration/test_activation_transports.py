@@ -169,6 +169,60 @@ async def test_every_transport_feeds_the_coordinated_activation(transport, engin
         await anyio.to_thread.run_sync(trainer.close)
 
 
+@pytest.mark.parametrize("transport", ["ipc", "http"])
+async def test_a_fenced_engine_comes_back_with_the_next_pushed_version(transport, engines, world, tmp_path):
+    """A push trainer never resends the live version, so a fenced engine comes back with the
+    next one: engine 1 is fenced and left out by the trainer, version v goes live on engine 0
+    alone (engine 1 gets no request meanwhile); the trainer takes engine 1 back, the fleet
+    `join_next`s it, and v + 1 goes live on both at one instant, engine 1 serving it."""
+    refs = world["refs"]
+    ids = [e.engine_id for e in engines]
+    trainer = TrainerProcess({"transport": transport, "model_dir": str(refs.model_dir), "engines": 2,
+                              "timeout_s": RECEIVER_TIMEOUT_S, "bucket_bytes": 256 << 10,
+                              "root": str(tmp_path / "weights"), "start_version": world["live"]})
+    try:
+        hello = await read(trainer)
+        fleet = Fleet(engines, strategy="pause_free", kv_policy="keep", live_version=world["live"])
+        await fleet.setup(hello["plan"], None, timeout_s=RECEIVER_TIMEOUT_S, transport=transport,
+                          engine_options=dict(zip(ids, hello["options"], strict=True)))
+        assert (await read(trainer))["connected"]
+        old = world["live"]
+        await fleet.engine_died(ids[1], "injected: taken out of service")
+        assert fleet.coordinator.fenced == {ids[1]}
+        trainer.send(cmd="exclude", engine=1)
+        assert (await read(trainer))["ok"]
+
+        alone = old + 1
+        world["seed"] += 1
+        refs.add(alone, perturbed_state(world["base"], world["seed"]))
+        record, answer = await sync_and_activate(fleet, trainer, alone, world["seed"])
+        assert answer["ok"] and answer["version"] == alone, answer
+        assert record.outcome == act.ACTIVATED and [eo.engine for eo in record.engines] == [ids[0]]
+        world["live"] = alone
+        await serves(fleet, engines[:1], refs, alone)
+        # Straight to the engine, unsalted: a prompt of its own, so no cached block of other weights
+        prompt = [*PROMPTS[1], 900 + len(transport)]
+        left_out = await engines[1].complete(f"left-out-{transport}", prompt, GREEDY)
+        assert set(left_out.versions) == {old}
+        assert max_err(left_out.logprobs, refs.full(old, prompt, left_out.token_ids)) < TOL
+
+        trainer.send(cmd="include", engine=1)
+        assert (await read(trainer))["ok"]
+        fleet.join_next(ids[1])
+        both = alone + 1
+        world["seed"] += 1
+        refs.add(both, perturbed_state(world["base"], world["seed"]))
+        record, answer = await sync_and_activate(fleet, trainer, both, world["seed"])
+        assert answer["ok"] and answer["version"] == both, answer
+        assert record.outcome == act.ACTIVATED, record.message
+        assert {eo.engine: eo.outcome for eo in record.engines} == {i: act.ACTIVATED for i in ids}
+        assert fleet.coordinator.serving == tuple(ids)
+        world["live"] = both
+        await serves(fleet, engines, refs, both)
+    finally:
+        await anyio.to_thread.run_sync(trainer.close)
+
+
 async def a_broken_group_comes_back_after_a_new_rendezvous(engines, world, trainer, plan_json,
                                                             engine_options) -> None:
     """A trainer that hangs mid-version breaks the collective group (the engines' broadcast

@@ -101,7 +101,9 @@ class Sim:
             assert self.engines[action.engine].staged == action.version or action.rollback
             self.swaps_this_activation.append(action.engine)
         if isinstance(action, Stage | Swap | Pause | SetVersion | Drain | FenceCache):
-            if action.engine in coord.fenced and action.engine not in coord.rejoining:
+            run = coord.runs.get(action.engine)
+            joining = run is not None and run.joining and not run.failed
+            if action.engine in coord.fenced and action.engine not in coord.rejoining and not joining:
                 self.work_after_fence.append(action)
 
     def answer(self, action, outcome: str):
@@ -169,9 +171,12 @@ def test_random_orders_and_failures_keep_the_invariants(data, strategy, policy):
         sim.stage_failed = False
         sim.swaps_this_activation = []
         n_records = len(sim.records)
-        for e in list(sim.coord.fenced):
-            if data.draw(st.booleans(), label=f"rejoin {e}") and not sim.engines[e].dead:
+        for e in sorted(sim.coord.fenced):
+            way = data.draw(st.sampled_from(["stay", "rejoin", "join_next"]), label=f"back {e}")
+            if way == "rejoin" and not sim.engines[e].dead:
                 sim.apply(sim.coord.rejoin(e, sim.tick()))
+            elif way == "join_next" and e not in sim.coord.rejoining:
+                sim.apply(sim.coord.join_next(e))
         sim.apply(sim.coord.begin(version, sim.tick()))
         steps = 0
         while not sim.coord.idle or sim.pending or sim.coord.rejoining:
@@ -190,9 +195,10 @@ def test_random_orders_and_failures_keep_the_invariants(data, strategy, policy):
             if outcome == "hang":
                 continue  # never answers: only a timer gets the coordinator further
             event = sim.answer(action, outcome)
-            if isinstance(event, StageFailed) and sim.coord.phase == "staging" and action.engine in sim.coord.runs:
-                sim.stage_failed = True
-            if isinstance(event, EngineDied) and sim.coord.phase == "staging" and action.engine in sim.coord.runs:
+            # A serving engine's failure while staging rolls the version back (a joiner's fails only it).
+            run = sim.coord.runs.get(action.engine)
+            if isinstance(event, StageFailed | EngineDied) and sim.coord.phase == "staging" \
+                    and run is not None and not run.joining:
                 sim.stage_failed = True
             sim.feed(event)
         # one record per activation
@@ -214,13 +220,22 @@ def test_random_orders_and_failures_keep_the_invariants(data, strategy, policy):
         for name in sim.coord.fenced:
             assert name not in sim.coord.serving
             assert not sim.coord.may_dispatch(name)
+        # every engine that serves (a joiner included, once unfenced) holds the live version
+        for name in sim.coord.serving:
+            if not sim.engines[name].dead:
+                assert (sim.engines[name].weights, sim.engines[name].label) == (sim.coord.live_version,) * 2, name
 
 
 def drive_ok(coord: ActivationCoordinator, version: int, fail: dict | None = None):
     """Answer every action successfully (or as `fail` says), in order; returns all actions."""
+    return answer_all(coord, coord.begin(version, 0.0), version, fail)
+
+
+def answer_all(coord: ActivationCoordinator, actions, version: int, fail: dict | None = None):
+    """Answer `actions` and all that follow them, as `drive_ok` does."""
     fail = fail or {}
     seen = []
-    queue = list(coord.begin(version, 0.0))
+    queue = list(actions)
     t = 0.0
     while queue:
         action = queue.pop(0)
@@ -372,3 +387,91 @@ def test_messages_are_keyword_only_and_required_fields_have_no_default():
             assert f.kw_only, f"{cls.__name__}.{f.name} is not keyword-only"
             has_default = f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
             assert has_default == (f.name in flags), f"{cls.__name__}.{f.name}: default only for optional flags"
+
+
+# -- join_next: a fenced engine comes back with the next version (push transports) -------------
+
+def fenced_b(strategy: str = "pause_swap", kv_policy: str = "recompute") -> ActivationCoordinator:
+    coord = ActivationCoordinator(["a", "b"], strategy=strategy, kv_policy=kv_policy)
+    drive_ok(coord, 1, fail={("b", "SetVersion"): "fail"})
+    assert coord.fenced == {"b"} and coord.live_version == 1
+    return coord
+
+
+@pytest.mark.parametrize("strategy,policy", [("pause_swap", "recompute"), ("double_buffer", "keep"),
+                                             ("pause_free", "keep")])
+def test_a_joiner_stages_flips_and_is_unfenced_with_the_next_version(strategy, policy):
+    coord = fenced_b(strategy, policy)
+    assert coord.join_next("b") == []
+    assert coord.fenced == {"b"} and not coord.may_dispatch("b")  # nothing changes before the version
+    actions = drive_ok(coord, 2)
+    for kind in (Stage, Swap, SetVersion):
+        assert {a.engine for a in actions if isinstance(a, kind)} == {"a", "b"}, kind
+    unfence = [a for a in actions if isinstance(a, Unfence)]
+    assert [(u.engine, u.version) for u in unfence] == [("b", 2)]
+    # unfenced only after every engine applied the version (and, pausing, resumed)
+    last_step = max(i for i, a in enumerate(actions) if isinstance(a, SetVersion | Resume))
+    assert actions.index(unfence[0]) > last_step
+    record = [a for a in actions if isinstance(a, Record)][-1]
+    assert record.outcome == ACTIVATED and {eo.engine: eo.outcome for eo in record.engines} == {"a": ACTIVATED, "b": ACTIVATED}
+    assert coord.live_version == 2 and coord.fenced == set() and coord.joining == set()
+    assert coord.serving == ("a", "b")
+
+
+@pytest.mark.parametrize("step,how", [("Stage", "fail"), ("Stage", "die"), ("Swap", "fail"), ("SetVersion", "die")])
+def test_a_joiner_that_fails_stays_fenced_and_the_version_goes_live_without_it(step, how):
+    coord = fenced_b()
+    coord.join_next("b")
+    actions = drive_ok(coord, 2, fail={("b", step): how})
+    record = [a for a in actions if isinstance(a, Record)][-1]
+    assert record.outcome == ACTIVATED and coord.live_version == 2  # the joiner fails only itself
+    assert {eo.engine: eo.outcome for eo in record.engines}["b"] == ENGINE_FENCED
+    assert "b did not join" in record.message
+    assert coord.fenced == {"b"} and coord.joining == set()
+    assert not any(isinstance(a, Fence | Unfence) for a in actions)  # fenced it was, fenced it stays
+    assert not any(isinstance(a, Swap | Pause) and a.engine == "b" for a in actions if step == "Stage")
+    if step == "Stage":
+        assert [a.engine for a in actions if isinstance(a, DropStaged)] == ["b"]
+    # a's pause was resumed; b, if it was paused, too
+    assert {a.engine for a in actions if isinstance(a, Resume)} >= {"a"}
+
+
+def test_a_serving_engine_failing_to_stage_rolls_back_and_the_joiner_waits_for_the_next():
+    coord = fenced_b()
+    coord.join_next("b")
+    actions = drive_ok(coord, 2, fail={("a", "Stage"): "fail"})
+    assert [a.outcome for a in actions if isinstance(a, Record)] == [ROLLED_BACK]
+    assert {a.engine for a in actions if isinstance(a, DropStaged)} == {"a", "b"}
+    assert coord.live_version == 1 and coord.fenced == {"b"} and coord.joining == {"b"}
+    drive_ok(coord, 3)
+    assert coord.live_version == 3 and coord.fenced == set() and coord.joining == set()
+
+
+def test_a_late_joiner_is_left_behind_when_staging_times_out():
+    coord = fenced_b()
+    coord.join_next("b")
+    actions = drive_ok(coord, 2, fail={("b", "Stage"): "hang"})
+    assert coord.phase == "staging"
+    timer = [a for a in actions if isinstance(a, StartTimer)][0]
+    rest = answer_all(coord, coord.handle(Timeout(engine=None, at=50.0, phase=timer.phase, token=timer.token)), 2)
+    assert [(a.engine, a.version) for a in rest if isinstance(a, DropStaged)] == [("b", 2)]
+    assert {a.engine for a in rest if isinstance(a, Swap)} == {"a"}
+    assert [a.outcome for a in rest if isinstance(a, Record)] == [ACTIVATED]
+    assert coord.live_version == 2 and coord.fenced == {"b"} and coord.joining == set()
+
+
+def test_join_next_needs_a_fenced_engine_and_a_rollback_leaves_joiners_out():
+    coord = ActivationCoordinator(["a", "b"], strategy="double_buffer", kv_policy="keep")
+    with pytest.raises(CoordinatorError, match="not fenced"):
+        coord.join_next("a")
+    drive_ok(coord, 1)
+    drive_ok(coord, 2, fail={("b", "SetVersion"): "fail"})
+    coord.join_next("b")
+    actions = answer_all(coord, coord.begin(3, 0.0, rollback=True), 3)
+    assert {a.engine for a in actions if isinstance(a, Stage)} == {"a"}  # b's other buffer holds nothing of it
+    assert coord.fenced == {"b"} and coord.joining == {"b"}
+    # a rejoin to the live version takes over from joining
+    coord.rejoin("b", 10.0)
+    assert coord.joining == set() and "b" in coord.rejoining
+    with pytest.raises(CoordinatorError, match="already rejoining"):
+        coord.join_next("b")

@@ -160,6 +160,41 @@ async def test_rejoin_resyncs_a_fenced_engine_before_it_serves():
     assert engines[1].version == 1 and not engines[1].paused
 
 
+@pytest.mark.parametrize("strategy,kv_policy", [("pause_swap", "recompute"), ("pause_free", "keep")])
+async def test_join_next_brings_a_fenced_engine_back_with_the_next_version(strategy, kv_policy):
+    engines = [ScriptedEngine("a"), ScriptedEngine("b", fail=("swap_apply",))]
+    fleet = Fleet(engines, strategy=strategy, kv_policy=kv_policy)
+    await fleet.activate(1)
+    assert fleet.coordinator.fenced == {"b"}
+    engines[1].fail.clear()
+    engines[1].calls.clear()
+    fleet.join_next("b")
+    with pytest.raises(FencedEngineError):  # no request before the version it comes back with
+        await fleet.generate([1, 2], SamplingSettings(max_tokens=2), engine_id="b")
+    record = await fleet.activate(2)
+    assert record.outcome == act.ACTIVATED
+    assert {eo.engine: eo.outcome for eo in record.engines} == {"a": act.ACTIVATED, "b": act.ACTIVATED}
+    assert fleet.coordinator.serving == ("a", "b") and fleet.live_version == 2
+    calls = engines[1].calls
+    assert calls.index("swap_stage") < calls.index("swap_apply") < calls.index("set_weight_version")
+    assert engines[1].version == 2 and engines[1].staged_version == 2 and not engines[1].paused
+    c = await fleet.generate([1, 2], SamplingSettings(max_tokens=2), engine_id="b")
+    assert set(c.versions) == {2}
+
+
+async def test_a_joiner_that_fails_to_stage_stays_fenced_and_the_version_goes_live():
+    engines = [ScriptedEngine("a"), ScriptedEngine("b", fail=("swap_apply",))]
+    fleet = Fleet(engines)
+    await fleet.activate(1)
+    engines[1].fail = {"swap_stage"}
+    engines[1].calls.clear()
+    fleet.join_next("b")
+    record = await fleet.activate(2)
+    assert record.outcome == act.ACTIVATED and fleet.live_version == 2
+    assert fleet.coordinator.fenced == {"b"} and "b did not join" in record.message
+    assert "swap_drop" in engines[1].calls and "pause" not in engines[1].calls
+
+
 class DisagreeingEngine(ScriptedEngine):
     """Two tensor-parallel workers; the second one's flip did not happen."""
 
