@@ -23,7 +23,9 @@ and the coordinator ignores timers of finished phases. Failures:
   `errored`), the others go on at v. Every engine that was sent `Pause` is sent `Resume`,
   fenced or not, so no engine is left paused. A fenced engine serves again only after
   `rejoin(e)`: it re-syncs to the live version (Stage, Swap, FenceCache, SetVersion, Resume)
-  and then `Unfence(e)`.
+  and then `Unfence(e)`; or, after `join_next(e)` (push transports, whose trainer never
+  resends the live version), it takes every step of the next activation with the others and
+  is unfenced when that version is live. A joiner's failure fails only the joiner.
 
 `serving` (the engines that may receive new work) never contains a fenced engine.
 """
