@@ -221,6 +221,38 @@ class ActivationCoordinator:
         self.joining.add(engine)
         return []
 
+    def abandon(self, at: float, why: str = "cancelled") -> list[Action]:
+        """End the activation in progress now, with what is known: its performer gave up on it
+        (cancelled). Before any swap was asked for no weights changed: the staged copies are
+        dropped and the attempt is rolled back. Once swaps were asked for, an engine that did
+        not confirm every step (swap, cache fence, label) may hold either version, or the new
+        one labelled old: it is fenced (a rejoin re-syncs it); if the others applied v, v is
+        live, as after a swap-phase timeout. Resumes owed are the performer's (it resumes
+        whatever it paused); nothing waits for them here."""
+        if self.phase == IDLE:
+            return []
+        self.messages.append(f"{why} in phase {self.phase}")
+        if self.phase in (STAGING, DRAINING, PAUSING):
+            return [DropStaged(engine=e, version=self.version) for e in self.runs] + \
+                self._finish(at, ROLLED_BACK, "; ".join(self.messages))
+        actions: list[Action] = []
+        if self.phase == SWAPPING:
+            for e, r in self.runs.items():
+                if not r.failed and r.step != "applied":
+                    actions += [a for a in self._mark_failed(e, "swap", why) if not isinstance(a, Resume)]
+            if any(not r.failed for r in self.runs.values()):
+                self.live_version = self.version  # every engine still in the fleet applied it
+                self._applied = True
+        return actions + self._conclude(at)
+
+    def abandon_rejoin(self, engine: str) -> list[Action]:
+        """The performer gave up on a rejoin (cancelled): the engine stays fenced (whatever it
+        holds now, the next rejoin re-syncs it) and what it staged is dropped."""
+        if engine not in self.rejoining:
+            return []
+        del self.rejoining[engine]
+        return [DropStaged(engine=engine, version=self.live_version)]
+
     def handle(self, event: Event) -> list[Action]:
         if event.engine is not None and event.engine in self.rejoining:
             return self._handle_rejoin(event)

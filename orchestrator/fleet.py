@@ -172,14 +172,52 @@ class Fleet(RolloutStreams):
                 tg.cancel_scope.cancel()  # stragglers (a hung stage) and timers; drops are shielded
         finally:
             self._events = None
+            if record is None:  # cancelled (or a bug) mid-activation: end it with what is known
+                record = await self._abandon()
             self._release_reports()
             self._settle_salts()
             await self._resume_leftovers()
             for gate in self._gates.values():
                 gate.set()
             self._gates.clear()
-        self.records.append(record)
+            if record is not None:
+                self.records.append(record)
+        assert record is not None
         return record
+
+    async def _abandon(self) -> act.Record | None:
+        """The coordinator's `abandon`, performed without waiting on anything unshielded:
+        fences at once, drops shielded under their own limit (resumes follow in
+        `_resume_leftovers`). The next `activate` then starts from a coordinator at rest.
+        None when no activation was under way (`begin` refused the version)."""
+        record: act.Record | None = None
+        drops: list[act.DropStaged] = []
+        for a in self.coordinator.abandon(time.monotonic()):
+            if isinstance(a, act.Record):
+                record = a
+            elif isinstance(a, act.Fence):
+                self._fence(a.engine, a.reason)
+            elif isinstance(a, act.DropStaged):
+                drops.append(a)
+            elif isinstance(a, act.Unfence):
+                log.info("fleet.unfenced", engine=a.engine, version=a.version)
+        await self._drop_all(drops)
+        return record
+
+    async def _drop_all(self, drops: list[act.DropStaged]) -> None:
+        """Send the drops at once, shielded under their own limit (cleanup of a cancelled
+        activation or rejoin: an unsent drop leaves a version that never went live staged)."""
+        if drops:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(self.ft.rpc_s):
+                async with anyio.create_task_group() as tg:
+                    for a in drops:
+                        tg.start_soon(self._drop_quietly, a)
+
+    async def _drop_quietly(self, a: act.DropStaged) -> None:
+        try:
+            await self._rpc(self.engines[a.engine], "swap_drop", str(a.version))
+        except Exception as exc:  # noqa: BLE001 - a dead engine has nothing staged to keep
+            log.warning("fleet.drop_failed", engine=a.engine, version=a.version, error=str(exc))
 
     def _dispatch(self, tg, actions: list[act.Action], send) -> act.Record | None:
         """Starts the actions (one task per engine, its actions in order); returns the Record
@@ -417,6 +455,8 @@ class Fleet(RolloutStreams):
                     pending = coord.handle(await recv.receive())
                 tg.cancel_scope.cancel()
         finally:
+            if not done:  # cancelled mid-rejoin: the engine stays fenced, and may rejoin later
+                await self._drop_all([a for a in coord.abandon_rejoin(engine_id) if isinstance(a, act.DropStaged)])
             self._release_reports()
             self._settle_salts()
             await self._resume_leftovers()

@@ -182,10 +182,20 @@ def test_random_orders_and_failures_keep_the_invariants(data, strategy, policy):
         while not sim.coord.idle or sim.pending or sim.coord.rejoining:
             steps += 1
             assert steps < 500, "no progress"
-            choices = ["answer"] * bool(sim.pending) + ["timer"] * bool(sim.timers)
+            choices = ["answer"] * 6 * bool(sim.pending) + ["timer"] * 2 * bool(sim.timers) \
+                + ["abandon"] * (not sim.coord.idle)
             if not choices:
                 break
             kind = data.draw(st.sampled_from(choices), label="kind")
+            if kind == "abandon":  # the performer is cancelled: its tasks and timers die with it
+                runs = set(sim.coord.runs)
+                sim.apply(sim.coord.abandon(sim.tick()))
+                sim.pending = [a for a in sim.pending if a.engine not in runs]
+                sim.timers = [t for t in sim.timers if t.engine is not None]
+                for name in runs:  # and it resumes whatever it paused (`_resume_leftovers`)
+                    sim.engines[name].paused = False
+                    sim.pauses_owed[name] = 0
+                continue
             if kind == "timer":
                 timer = sim.timers.pop(data.draw(st.integers(0, len(sim.timers) - 1), label="timer"))
                 sim.feed(Timeout(engine=timer.engine, at=sim.tick(), phase=timer.phase, token=timer.token))
@@ -475,3 +485,49 @@ def test_join_next_needs_a_fenced_engine_and_a_rollback_leaves_joiners_out():
     assert coord.joining == set() and "b" in coord.rejoining
     with pytest.raises(CoordinatorError, match="already rejoining"):
         coord.join_next("b")
+
+
+# -- abandon: the performer gave up on an activation or a rejoin (cancelled) ---------------------
+
+def test_an_abandoned_staging_drops_everything_rolls_back_and_the_next_begins():
+    coord = ActivationCoordinator(["a", "b"])
+    drive_ok(coord, 1, fail={("b", "Stage"): "hang"})
+    assert coord.phase == "staging"
+    out = coord.abandon(5.0)
+    assert {a.engine for a in out if isinstance(a, DropStaged)} == {"a", "b"}
+    (record,) = [a for a in out if isinstance(a, Record)]
+    assert record.outcome == ROLLED_BACK and "cancelled in phase staging" in record.message
+    assert coord.idle and coord.live_version == 0 and not coord.fenced
+    assert coord.abandon(6.0) == []  # nothing under way
+    drive_ok(coord, 2)
+    assert coord.live_version == 2
+
+
+def test_an_abandoned_swap_fences_the_engines_that_did_not_confirm_it():
+    coord = ActivationCoordinator(["a", "b"])
+    drive_ok(coord, 1, fail={("b", "Swap"): "hang"})  # a applied v1, b's swap never answered
+    assert coord.phase == "swapping"
+    out = coord.abandon(5.0)
+    assert [a.engine for a in out if isinstance(a, Fence)] == ["b"]  # may hold either version
+    assert not any(isinstance(a, DropStaged | Resume) for a in out)  # resumes are the performer's
+    (record,) = [a for a in out if isinstance(a, Record)]
+    assert record.outcome == ENGINE_FENCED and coord.live_version == 1 and coord.serving == ("a",)
+    assert coord.idle
+
+
+def test_an_abandoned_swap_that_nobody_confirmed_leaves_the_live_version():
+    coord = ActivationCoordinator(["a", "b"], strategy="pause_free", kv_policy="keep")
+    drive_ok(coord, 1, fail={("a", "Swap"): "hang", ("b", "Swap"): "hang"})
+    out = coord.abandon(5.0)
+    assert {a.engine for a in out if isinstance(a, Fence)} == {"a", "b"}
+    assert [a.outcome for a in out if isinstance(a, Record)] == [FAILED] and coord.live_version == 0
+
+
+def test_an_abandoned_rejoin_leaves_the_engine_fenced_and_free_to_rejoin():
+    coord = ActivationCoordinator(["a", "b"])
+    drive_ok(coord, 1, fail={("b", "SetVersion"): "fail"})
+    coord.rejoin("b", 10.0)
+    assert coord.abandon_rejoin("b") == [DropStaged(engine="b", version=1)]
+    assert coord.fenced == {"b"} and not coord.rejoining
+    assert coord.abandon_rejoin("b") == []
+    assert isinstance(coord.rejoin("b", 11.0)[0], Stage)

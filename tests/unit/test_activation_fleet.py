@@ -89,6 +89,41 @@ async def test_cancelled_activation_still_resumes_every_paused_engine():
         await fleet.activate(1)
     assert [e.paused for e in engines] == [False, False]
     assert all("resume" in e.calls for e in engines)
+    # The attempt is ended, not left in its phase: b's swap was never confirmed (it may hold
+    # either version) so b is fenced; a applied v1, which is live; the next activation runs.
+    record = fleet.records[-1]
+    assert record.outcome == act.ENGINE_FENCED and "cancelled" in record.message
+    assert fleet.coordinator.idle and fleet.coordinator.fenced == {"b"} and fleet.live_version == 1
+    with anyio.fail_after(10):
+        assert (await fleet.activate(2)).outcome == act.ACTIVATED
+
+
+async def test_a_cancelled_staging_drops_what_was_staged_and_the_version_can_be_retried():
+    engines = [ScriptedEngine("a"), ScriptedEngine("b", hang=("swap_stage",))]
+    fleet = Fleet(engines)
+    with anyio.move_on_after(0.5):
+        await fleet.activate(1)
+    assert fleet.records[-1].outcome == act.ROLLED_BACK and fleet.live_version == 0
+    assert all("swap_drop" in e.calls for e in engines) and not fleet.coordinator.fenced
+    engines[1].hang.clear()
+    with anyio.fail_after(10):
+        assert (await fleet.activate(1)).outcome == act.ACTIVATED
+
+
+async def test_a_cancelled_rejoin_leaves_the_engine_fenced_and_a_later_rejoin_works():
+    engines = [ScriptedEngine("a"), ScriptedEngine("b", fail=("swap_apply",))]
+    fleet = Fleet(engines)
+    await fleet.activate(1)
+    engines[1].fail.clear()
+    engines[1].hang = {"swap_stage"}
+    with anyio.move_on_after(0.5):
+        await fleet.rejoin("b")
+    assert fleet.coordinator.fenced == {"b"} and not fleet.coordinator.rejoining
+    assert "swap_drop" in engines[1].calls
+    engines[1].hang.clear()
+    with anyio.fail_after(10):
+        assert await fleet.rejoin("b")
+    assert fleet.coordinator.serving == ("a", "b")
 
 
 async def test_hanging_swap_fences_that_engine_and_the_other_goes_on():
