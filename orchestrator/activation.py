@@ -535,8 +535,20 @@ class ActivationCoordinator:
                 self.rejoining[e] = "stage"
                 return [Stage(engine=e, version=self.live_version)]
             del self.rejoining[e]
+            if self.phase != IDLE:
+                return self._join_the_activation_under_way(e)
             self.fenced.discard(e)
             return [Unfence(engine=e, version=self.live_version)]
+        return []
+
+    def _join_the_activation_under_way(self, engine: str) -> list[Action]:
+        """A rejoin that ends while an activation (begun without it) is under way: unfenced
+        now, the engine would keep the old version when that activation makes its version
+        live. It joins that activation instead while it still stages, else the next one."""
+        self.joining.add(engine)
+        if self.phase == STAGING and not self.rollback and engine not in self.runs:
+            self.runs[engine] = _EngineRun(joining=True)
+            return [Stage(engine=engine, version=self.version)]
         return []
 
     # -- helpers -----------------------------------------------------------------------------

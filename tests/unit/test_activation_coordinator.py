@@ -95,7 +95,7 @@ class Sim:
 
     def check_action(self, action) -> None:
         coord = self.coord
-        if isinstance(action, Swap):
+        if isinstance(action, Swap) and action.engine not in coord.rejoining:  # a rejoin swaps the live version
             assert not self.stage_failed, "a Swap after a failed stage"
             # The coordinator only asks for a swap of what the engine has staged.
             assert self.engines[action.engine].staged == action.version or action.rollback
@@ -531,3 +531,23 @@ def test_an_abandoned_rejoin_leaves_the_engine_fenced_and_free_to_rejoin():
     assert coord.fenced == {"b"} and not coord.rejoining
     assert coord.abandon_rejoin("b") == []
     assert isinstance(coord.rejoin("b", 11.0)[0], Stage)
+
+
+def test_a_rejoin_that_ends_during_an_activation_joins_it_rather_than_serve_the_old_version():
+    coord = ActivationCoordinator(["a", "b", "c"])
+    drive_ok(coord, 1, fail={("c", "SetVersion"): "fail"})
+    coord.rejoin("c", 10.0)
+    begun = coord.begin(2, 11.0)  # without c, which is still rejoining at v1
+    assert {a.engine for a in begun if isinstance(a, Stage)} == {"a", "b"}
+    out = []
+    for event in (Staged(engine="c", at=12, version=1), Paused(engine="c", at=13),
+                  Swapped(engine="c", at=14, version=1, requests={}), CacheFenced(engine="c", at=15),
+                  VersionSet(engine="c", at=16, version=1, requests={}), Resumed(engine="c", at=17)):
+        out += coord.handle(event)
+    # unfenced now, c would keep v1 once v2 goes live on a and b: it stages v2 with them instead
+    assert [(a.engine, a.version) for a in out if isinstance(a, Stage)] == [("c", 2)]
+    assert not any(isinstance(a, Unfence) for a in out) and coord.fenced == {"c"}
+    rest = answer_all(coord, [a for a in begun if isinstance(a, Stage)] + [Stage(engine="c", version=2)], 2)
+    assert [(a.engine, a.version) for a in rest if isinstance(a, Unfence)] == [("c", 2)]
+    assert [a.outcome for a in rest if isinstance(a, Record)] == [ACTIVATED]
+    assert coord.live_version == 2 and coord.serving == ("a", "b", "c")
