@@ -69,6 +69,8 @@ log = get_logger("orchestrator.trainer")
 PARENT_POLL_S = 1.0
 # What rank 0 broadcasts when the orchestrator is gone (instead of a message or None: idle).
 ORPHANED = "orphaned"
+# How long ranks that end together wait for each other before tearing the group down.
+LEAVE_TIMEOUT_S = 30.0
 
 
 class StepResult(msgspec.Struct):
@@ -417,6 +419,26 @@ def follow(trainer: Trainer) -> int:
             trainer.handle(msg)
 
 
+def leave_group(together: bool, timeout_s: float = LEAVE_TIMEOUT_S) -> None:
+    """Tear the process group down. Ranks that end together first wait for each other
+    (bounded): a rank that tore its gloo group down while another still did so once aborted
+    that rank at exit ("terminate called without an active exception", SIGABRT), which failed
+    a clean stop. A rank that failed alone does not wait: the others may never come."""
+    import datetime
+
+    import torch.distributed as dist
+
+    if together:
+        try:
+            if dist.get_backend() == "gloo":
+                dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout_s))
+            else:
+                dist.barrier()  # NCCL: written, not yet run on a GPU
+        except Exception as exc:  # noqa: BLE001 - a rank gone at the end: tear down all the same
+            log.warning("trainer.leave_barrier_failed", error=str(exc))
+    dist.destroy_process_group()
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m orchestrator.trainer.process")
     p.add_argument("--connect", required=True, help="the orchestrator's link address, tcp://127.0.0.1:PORT "
@@ -445,6 +467,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         client.connect(args.connect)
     trainer: Trainer | None = None
     grouped = False
+    together = False  # every rank ends here at the same message (Stop, or an orchestrator gone)
     try:
         config = msgspec.json.decode(args.config_json, type=RunConfig).validate()
         cpus = pin(config.trainer)
@@ -456,9 +479,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.info("trainer.ready", step=trainer.step, resumed=trainer.resumed, cpus=sorted(cpus),
                  threads=config.trainer.threads, loss=config.trainer.loss, pid=os.getpid(), world=ranks.world)
         if client is None:
-            return follow(trainer)
-        client.send(trainer.ready())
-        return serve(client, trainer, orphaned)
+            code = follow(trainer)
+        else:
+            client.send(trainer.ready())
+            code = serve(client, trainer, orphaned)
+        together = True
+        return code
     except Exception as exc:
         step = trainer.current if trainer is not None else None
         log.exception("trainer.failed", step=step)
@@ -474,9 +500,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if client is not None:
             client.close()
         if grouped:
-            import torch.distributed as dist
-
-            dist.destroy_process_group()
+            leave_group(together)
 
 
 if __name__ == "__main__":
