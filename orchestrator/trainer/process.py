@@ -421,9 +421,11 @@ def follow(trainer: Trainer) -> int:
 
 def leave_group(together: bool, timeout_s: float = LEAVE_TIMEOUT_S) -> None:
     """Tear the process group down. Ranks that end together first wait for each other
-    (bounded): a rank that tore its gloo group down while another still did so once aborted
-    that rank at exit ("terminate called without an active exception", SIGABRT), which failed
-    a clean stop. A rank that failed alone does not wait: the others may never come."""
+    (bounded), so that no rank tears its gloo group down while another still uses it: without
+    this wait, a clean stop once failed in CI with rank 1 aborted at exit ("terminate called
+    without an active exception", SIGABRT) while rank 0 was still cleaning up; it was seen once
+    in about ten runs and not reproduced, so this is the likely cause, not a proven one. A rank
+    that failed alone does not wait: the others may never come."""
     import datetime
 
     import torch.distributed as dist
