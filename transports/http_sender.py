@@ -115,6 +115,7 @@ class HttpSender:
         self._unanswered: list[tuple[int, str]] = []  # (bucket index, what) whose answers are unread
         self._arenas = DirectArenas()  # filled by the refit plan on first use, kept across versions
         self._excluded: set[int] = set()  # engines left out of every version (see `exclude`)
+        self._included: set[int] = set()  # taken back: waited for at the next `begin` (see `include`)
 
     def arenas(self) -> DirectArenas:
         """Where the refit plan packs: only tensors that need a copy (a view that is not
@@ -137,11 +138,14 @@ class HttpSender:
 
     def include(self, engine_index: int) -> None:
         """Send to engine `engine_index` again from the next version on (over a new connection:
-        a restarted engine's receiver listens at the same address). Call between versions."""
+        a restarted engine's receiver listens at the same address). Call between versions. The
+        next `begin` waits (bounded) until its receiver answers: a restarted engine builds its
+        receiver on a thread, and a bucket sent before it listens would fail the version."""
         self._check_index(engine_index)
         if self._unanswered:
             raise TransportError("include() during a version: call it between versions")
         self._excluded.discard(engine_index)
+        self._included.add(engine_index)
 
     def _check_index(self, engine_index: int) -> None:
         if not 0 <= engine_index < len(self.endpoints):
@@ -153,8 +157,11 @@ class HttpSender:
     def connect(self) -> None:
         """Waits (bounded) until every engine's receiver answers: engines start theirs while
         this runs."""
+        self._await_listening(self._targets())
+
+    def _await_listening(self, endpoints: list[tuple[str, int]]) -> None:
         deadline = time.monotonic() + self.timeout_s
-        for host, port in self._targets():
+        for host, port in endpoints:
             while True:
                 try:
                     self._request(host, port, "GET", HEALTH_PATH, None, {})
@@ -169,6 +176,9 @@ class HttpSender:
             self._unanswered = []
             for key in list(self._connections):
                 self._drop(key)
+        if self._included:
+            included, self._included = sorted(self._included - self._excluded), set()
+            self._await_listening([self.endpoints[i] for i in included])
 
     def send(self, header: BucketHeader, payload: memoryview | BucketPayload) -> None:
         meta = base64.b64encode(encode_header(header)).decode()
