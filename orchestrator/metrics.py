@@ -38,6 +38,12 @@ class RunMetrics:
                               registry=r)
         self.trainer_step = Gauge("inflight_trainer_step", "Trainer optimizer steps done", registry=r)
         self.reward = Gauge("inflight_reward_mean", "Mean reward of the last step's batch", registry=r)
+        self.reward_component = Gauge("inflight_reward_component_mean", "Mean of each reward component over the "
+                                      "last step's batch", ["component"], registry=r)
+        self.eval_pass = Gauge("inflight_eval_pass_at_k", "pass@k of the last held-out evaluation",
+                               ["task", "k"], registry=r)
+        self.eval_mean = Gauge("inflight_eval_mean_at_k", "mean@k (mean reward) of the last held-out evaluation",
+                               ["task", "k"], registry=r)
         self._tokens_mark = (time.monotonic(), 0)
 
     def on_record(self, record) -> None:
@@ -58,8 +64,11 @@ class RunMetrics:
         elif type(record).__name__ == "DiscardRecord":
             self.discarded.labels(record.reason).inc(len(record.rollout_ids))
 
-    def on_step(self, step: int, staleness: list[int], in_flight_lag: list[int], reward: float | None) -> None:
+    def on_step(self, step: int, staleness: list[int], in_flight_lag: list[int], reward: float | None,
+                components: dict[str, float] | None = None) -> None:
         self.trainer_step.set(step)
+        for name, value in (components or {}).items():
+            self.reward_component.labels(name).set(value)
         self.consumed.inc(len(staleness))
         for s in staleness:
             self.staleness.observe(s)
@@ -72,6 +81,11 @@ class RunMetrics:
         if now > then:
             self.tokens_per_s.set((total - before) / (now - then))
         self._tokens_mark = (now, total)
+
+    def on_eval(self, record) -> None:
+        for gauge, value in ((self.eval_pass, record.pass_at_k), (self.eval_mean, record.mean_at_k)):
+            if value is not None:
+                gauge.labels(record.task, str(record.k)).set(value)
 
     @property
     def tokens_per_second(self) -> float:

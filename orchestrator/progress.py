@@ -25,6 +25,7 @@ class ProgressState:
     max_steps: int
     steps: list[StepLine] = field(default_factory=list)
     last_activation: str = "none yet"
+    last_eval: str = ""
     live_version: int = 0
     inflight: int = 0
     status: str = "starting"
@@ -103,7 +104,8 @@ class Progress:
                                    f"max {_fmt(last.staleness_max if last else None, 'd')}",
                       "in flight", str(s.inflight))
         table.add_row("tokens/s", f"{last.tokens_per_s:.0f}" if last else "-", "last activation", s.last_activation)
-        table.add_row("reward curve", sparkline([x.reward or 0.0 for x in s.steps][-60:]), "", "")
+        table.add_row("reward curve", sparkline([x.reward or 0.0 for x in s.steps][-60:]),
+                      "last eval" if s.last_eval else "", s.last_eval)
         return Panel(table, title="inflight run", expand=False)
 
 
@@ -125,6 +127,8 @@ def summary(state: ProgressState, stats: dict, run_dir: str, http_url: str | Non
         f"{counts.get('errored', 0)} errored; dropped for staleness {stats.get('dropped_for_staleness', 0)}",
         f"  activations {acts.get('count', 0)} {acts.get('by_outcome', {})}  pause p50 "
         f"{_fmt(pause.get('p50'), '.3f')}s",
+        *[f"  eval        step {e['step']} v{e['version']} {e['task']}: pass@{e['k']} {_fmt(e['pass_at_k'])}  "
+          f"mean@{e['k']} {_fmt(e['mean_at_k'])}" for e in (stats.get("eval") or [])[-3:]],
         "",
         "next:",
         f"  inflight stats {run_dir}                  staleness, spans, activations",

@@ -120,8 +120,10 @@ class SchedulerError(RuntimeError):
 class Scheduler:
     def __init__(self, config: SchedulerConfig, engines: Iterable[str], *, max_steps: int,
                  done_steps: int = 0, live_version: int = 0, published_version: int | None = None,
-                 next_group_id: int = 0) -> None:
+                 next_group_id: int = 0, max_groups: int | None = None) -> None:
         self.config = config.validate()
+        # A finite task (a dataset's epochs) has this many prompts: no group id at or past it.
+        self.max_groups = max_groups
         self.k = config.max_off_policy_steps
         self.n = config.group_size
         self.batch_size = config.batch_size
@@ -175,6 +177,12 @@ class Scheduler:
 
     def staleness_for(self, step: int, version: int) -> int:
         return (step - 1) - version
+
+    @property
+    def exhausted(self) -> bool:
+        """The task has no prompt left and what remains can never fill another batch."""
+        return (self.max_groups is not None and self.next_group_id >= self.max_groups and self.batch_step is None
+                and not self.rollouts and len(self._complete) < self.config.batch_groups)
 
     @property
     def finished(self) -> bool:
@@ -372,6 +380,8 @@ class Scheduler:
 
     def _groups_needed(self) -> int:
         """Groups the remaining steps can still consume, minus those already on their way."""
+        if self.max_groups is not None and self.next_group_id >= self.max_groups:
+            return 0
         remaining_steps = self.max_steps - self.submitted_steps
         return remaining_steps * self.config.batch_groups - self._waiting_groups()
 

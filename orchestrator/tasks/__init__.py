@@ -1,23 +1,63 @@
-"""Tasks: prompts and rewards. `make_task(config, model_dir)` builds the configured one."""
+"""Tasks: prompts and rewards (docs/tasks.md). `make_task(config, model_dir)` builds the configured one:
+
+    [task] entrypoint = "pkg.mod:make"   the user's factory: a task object (row(), score()) or a dataset
+    [task] dataset = "data.jsonl"         rows from a file, scored by [task] rewards
+    [task] name = "digits" | "length"     a built-in toy
+"""
 
 from __future__ import annotations
 
 from orchestrator.config import TaskConfig
 from orchestrator.errors import ConfigError
-from orchestrator.tasks.base import Prompt, Task
+from orchestrator.tasks.base import Prompt, Task, TaskExhausted
 from orchestrator.tasks.toy import DigitsTask, LengthTask
 
 TASKS: dict[str, type[Task]] = {"digits": DigitsTask, "length": LengthTask}
 
 
-def make_task(config: TaskConfig, model_dir: str) -> Task:
-    """The task named by config.name, with the tokenizer of the model the engines serve."""
-    if config.name not in TASKS:
-        raise ConfigError("task.name", f"unknown task {config.name!r}; choose one of {sorted(TASKS)}")
-    from transformers import AutoTokenizer
+def make_task(config: TaskConfig, model_dir: str, *, search_path: list[str] | None = None,
+              where: str = "task", tokenizer=None) -> Task:
+    """The configured task, with the tokenizer of the model the engines serve. Everything that
+    can be checked (imports, the dataset, every row's prompt, the rewards) is checked here, so
+    a mistake stops the run before any engine starts."""
+    if tokenizer is None:
+        from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    return TASKS[config.name](tokenizer, config)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if config.entrypoint is None and config.dataset is None:
+        if config.name not in TASKS:
+            raise ConfigError(f"{where}.name", f"unknown task {config.name!r}; choose one of {sorted(TASKS)}")
+        if config.rewards:
+            raise ConfigError(f"{where}.rewards", f"the built-in task {config.name!r} has its own reward; "
+                                                  "rewards apply to a dataset or an entrypoint")
+        return TASKS[config.name](tokenizer, config)
+    from orchestrator.tasks.rows import RowTask
+
+    rewards = _rewards(config, where, search_path)
+    if config.entrypoint is not None:
+        from orchestrator.tasks.dataset import rows_of
+        from orchestrator.tasks.entrypoint import call_factory, load_callable
+
+        factory = load_callable(config.entrypoint, f"{where}.entrypoint", search_path)
+        made = call_factory(factory, dict(config.args), where, tokenizer=tokenizer)
+        if callable(getattr(made, "row", None)):
+            name = config.id or getattr(made, "name", None) or config.task_id
+            return RowTask(tokenizer, config, name=str(name), source=made, rewards=rewards, where=where)
+        return RowTask(tokenizer, config, name=config.task_id, rows=rows_of(made, f"{where}.entrypoint"),
+                       rewards=rewards, where=where)
+    from orchestrator.tasks.dataset import load_rows
+
+    return RowTask(tokenizer, config, name=config.task_id, rows=load_rows(config.dataset, f"{where}.dataset"),
+                   rewards=rewards, where=where)
 
 
-__all__ = ["TASKS", "DigitsTask", "LengthTask", "Prompt", "Task", "make_task"]
+def _rewards(config: TaskConfig, where: str, search_path: list[str] | None):
+    if not config.rewards:
+        return None
+    from orchestrator.tasks.rewards import build_rewards
+
+    return build_rewards([dict(spec) for spec in config.rewards], answer_field=config.answer_field,
+                         where=f"{where}.rewards", search_path=search_path)
+
+
+__all__ = ["TASKS", "DigitsTask", "LengthTask", "Prompt", "Task", "TaskExhausted", "make_task"]

@@ -1,27 +1,39 @@
 """The task interface: prompts deterministic in (seed, index), and a score per completion.
 
 A task is what the orchestrator asks for "prompt number i" and "how good is this completion".
-Prompts depend only on `(config.seed, index)`, so a resumed run that continues at the next
-index draws exactly the prompts the uninterrupted run would have drawn.
+Prompts depend only on the configuration and the index, so a resumed run that continues at the
+next index draws exactly the prompts the uninterrupted run would have drawn.
+
+Both calls do their work in `*_sync` methods that the run performs in worker threads
+(`orchestrator.scoring`): a task's code, the user's included, never runs on the event loop.
 """
 
 from __future__ import annotations
 
 import abc
+import asyncio
+import inspect
 import random
+import threading
 from collections.abc import Sequence
 
+import anyio
 import msgspec
 
 from orchestrator.config import TaskConfig
 
 
 class Prompt(msgspec.Struct, frozen=True):
-    prompt_id: str  # stable: "<task>-s<seed>-<index, 6 digits>"
+    prompt_id: str  # stable: "<task>-s<seed>-<index, 6 digits>" (toys), "<task>-<row, 6 digits>" (rows)
     index: int
     text: str
     token_ids: tuple[int, ...]  # the chat-templated prompt, tokenized (add_generation_prompt=True)
     target: int | None = None  # length task: the number of tokens asked for
+    row: dict | None = None  # a dataset or user task's row: every column, given to its rewards
+
+
+class TaskExhausted(Exception):
+    """The task has no prompt at this index (its dataset's epochs are used up)."""
 
 
 class Task(abc.ABC):
@@ -32,6 +44,13 @@ class Task(abc.ABC):
         self.config = config
 
     async def prompt(self, index: int) -> Prompt:
+        return await anyio.to_thread.run_sync(self.prompt_sync, index)
+
+    async def score(self, prompt: Prompt, completion_token_ids: Sequence[int]) -> dict[str, float]:
+        """`score_sync` in a worker thread (the run bounds it with `orchestrator.scoring.Scorer`)."""
+        return await anyio.to_thread.run_sync(self.score_sync, prompt, completion_token_ids)
+
+    def prompt_sync(self, index: int) -> Prompt:
         if index < 0:
             raise ValueError(f"prompt index must be >= 0, got {index}")
         text, target = self._draw(self._rng(index))
@@ -39,12 +58,12 @@ class Task(abc.ABC):
                       token_ids=self.encode(text), target=target)
 
     @abc.abstractmethod
-    async def score(self, prompt: Prompt, completion_token_ids: Sequence[int]) -> dict[str, float]:
+    def score_sync(self, prompt: Prompt, completion_token_ids: Sequence[int]) -> dict[str, float]:
         """Scores of one completion; always has the key "reward"."""
 
-    @abc.abstractmethod
     def _draw(self, rng: random.Random) -> tuple[str, int | None]:
         """The prompt text (and target, if any) from a generator seeded for one index."""
+        raise NotImplementedError
 
     def _rng(self, index: int) -> random.Random:
         # A string seed is hashed with SHA-512 by `random`: the same in every process and
@@ -52,10 +71,43 @@ class Task(abc.ABC):
         return random.Random(f"{self.name}:{self.config.seed}:{index}")
 
     def encode(self, text: str) -> tuple[int, ...]:
-        ids = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                 tokenize=True, return_dict=False)
+        return self.encode_messages([{"role": "user", "content": text}])
+
+    def encode_messages(self, messages: list[dict]) -> tuple[int, ...]:
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                 return_dict=False)
         return tuple(int(t) for t in ids)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
     @property
     def eos_token_id(self) -> int | None:
         return self.tokenizer.eos_token_id
+
+    def __len__(self) -> int:  # pragma: no cover - procedural toys are endless
+        raise TypeError(f"task {self.name!r} is endless")
+
+    @property
+    def rows(self) -> int | None:
+        """Rows in one epoch, or None for an endless (procedural) task."""
+        return None
+
+
+_thread_loops = threading.local()
+
+
+def call_maybe_async(fn, *args, **kwargs):
+    """Call a user's function that may be `async def`, from a worker thread: a coroutine runs
+    on this thread's own event loop (one per thread, reused), never on the run's."""
+    result = fn(*args, **kwargs)
+    if inspect.isawaitable(result):
+        loop = getattr(_thread_loops, "loop", None)
+        if loop is None or loop.is_closed():
+            loop = _thread_loops.loop = asyncio.new_event_loop()
+        result = loop.run_until_complete(_await(result))
+    return result
+
+
+async def _await(awaitable):
+    return await awaitable

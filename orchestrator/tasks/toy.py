@@ -33,7 +33,7 @@ class DigitsTask(Task):
             known = self._is_digit[token_id] = bool(text) and text.isascii() and text.isdigit()
         return known
 
-    async def score(self, prompt: Prompt, completion_token_ids: Sequence[int]) -> dict[str, float]:
+    def score_sync(self, prompt: Prompt, completion_token_ids: Sequence[int]) -> dict[str, float]:
         n = len(completion_token_ids)
         if n == 0:
             return {"reward": 0.0, "digit_tokens": 0.0, "tokens": 0.0}
@@ -48,7 +48,7 @@ class LengthTask(Task):
         n = rng.randint(self.config.length_min, self.config.length_max)
         return f"Write exactly {n} tokens.", n
 
-    async def score(self, prompt: Prompt, completion_token_ids: Sequence[int]) -> dict[str, float]:
+    def score_sync(self, prompt: Prompt, completion_token_ids: Sequence[int]) -> dict[str, float]:
         if prompt.target is None:
             raise ValueError(f"prompt {prompt.prompt_id} has no target length")
         ids = list(completion_token_ids)

@@ -23,6 +23,7 @@ from replay.records import (
     ConsumptionRecord,
     DiscardRecord,
     Dropped,
+    EvalRecord,
     Errored,
     Record,
     RolloutRecord,
@@ -77,6 +78,10 @@ class Columns:
     unmatched_consumptions: int = 0  # rollout ids consumed by records naming no rollout seen
     unmatched_discards: int = 0  # the same for discards
     invalid_consumptions: int = 0  # later claims on an already consumed/discarded rollout
+    evals: list[EvalRecord] = field(default_factory=list)  # held-out evaluations, in log order
+    # step -> the mean of each reward component over the rollouts it consumed ("reward/<name>"
+    # metrics of its consumption record; absent for logs written before components existed)
+    step_components: dict[int, dict[str, float]] = field(default_factory=dict)
 
     @property
     def rows(self) -> int:
@@ -123,6 +128,8 @@ class ColumnBuilder:
             "activation", "engine", "transfer_s", "pause_s")}
         self._row_of: dict[int, int] = {}
         self._ledger = Ledger()
+        self._evals: list[EvalRecord] = []
+        self._step_components: dict[int, dict[str, float]] = {}
 
     @property
     def rows(self) -> int:
@@ -133,8 +140,15 @@ class ColumnBuilder:
             self.add_rollout(record)
         elif isinstance(record, ConsumptionRecord | DiscardRecord):
             self.add_claims(record)
+            if isinstance(record, ConsumptionRecord):
+                components = {k.removeprefix("reward/"): v for k, v in record.metrics.items()
+                              if k.startswith("reward/")}
+                if components:
+                    self._step_components.setdefault(record.step, components)
         elif isinstance(record, ActivationRecord):
             self.add_activation(record)
+        elif isinstance(record, EvalRecord):
+            self._evals.append(record)
         # RunMetaRecord: nothing to count
 
     def add_rollout(self, rec: RolloutRecord) -> None:
@@ -306,6 +320,8 @@ class ColumnBuilder:
             unmatched_consumptions=self._ledger.unmatched(CONSUMED),
             unmatched_discards=self._ledger.unmatched(DISCARDED),
             invalid_consumptions=self._ledger.invalid,
+            evals=list(self._evals),
+            step_components=dict(self._step_components),
         )
 
 

@@ -45,6 +45,7 @@ from replay.records import (
     ActivationRecord,
     ConsumptionRecord,
     DiscardRecord,
+    EvalRecord,
     Record,
     RolloutRecord,
 )
@@ -64,7 +65,7 @@ def summarize_segment(records: Iterable[Record]) -> SegmentSummary:
         count += 1
         if isinstance(record, RolloutRecord):
             builder.add_rollout(record)  # no claim seen: `consumed` is its own, else -1
-        elif isinstance(record, ConsumptionRecord | ActivationRecord | DiscardRecord):
+        elif isinstance(record, ConsumptionRecord | ActivationRecord | DiscardRecord | EvalRecord):
             events.append(SummaryEvent(builder.rows, record))
     columns = builder.build()
     blobs = {name: np.ascontiguousarray(getattr(columns, name), np.dtype(dtype).newbyteorder("<")

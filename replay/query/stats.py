@@ -131,7 +131,21 @@ def compute_stats(columns: Columns, filters: Filters | None = None) -> dict[str,
         "unmatched_consumptions": columns.unmatched_consumptions,
         "unmatched_discards": columns.unmatched_discards,
         "invalid_consumptions": columns.invalid_consumptions,
+        "eval": _evals(columns, filters),
     }
+
+
+def _evals(columns: Columns, filters: Filters) -> list[dict[str, Any]]:
+    """One object per held-out evaluation (eval records), within the step filter."""
+    out = []
+    for e in columns.evals:
+        if (filters.step_min is not None and e.step < filters.step_min) or (
+                filters.step_max is not None and e.step > filters.step_max):
+            continue
+        out.append({"step": e.step, "version": e.version, "task": e.task, "k": e.k, "mean_at_k": e.mean_at_k,
+                    "pass_at_k": e.pass_at_k, "prompts": e.prompts, "pass_threshold": e.pass_threshold,
+                    "components": dict(e.components)})
+    return out
 
 
 def _trainer_version(columns: Columns, rows: np.ndarray) -> np.ndarray:
@@ -231,7 +245,12 @@ def _per_step(columns: Columns, consumed_rows: np.ndarray) -> list[dict[str, Any
                                                                      rewarded.tolist())],
     }
     names = list(series)
-    return [dict(zip(names, row)) for row in zip(*series.values())]
+    rows = [dict(zip(names, row)) for row in zip(*series.values())]
+    for row in rows:
+        components = columns.step_components.get(row["step"])
+        if components:
+            row["reward_components"] = dict(components)
+    return rows
 
 
 def _group_index(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -9,7 +9,7 @@ from typing import Any, Final
 import msgspec
 import numpy as np
 
-from replay.records import ActivationRecord, ConsumptionRecord, DiscardRecord
+from replay.records import ActivationRecord, ConsumptionRecord, DiscardRecord, EvalRecord
 
 # Per-rollout columns (consumed and discarded aside: they stay lists, later records change them).
 ROLLOUT_DTYPES: Final = {
@@ -21,10 +21,10 @@ _SUMMARY_DTYPES: Final = ROLLOUT_DTYPES | RUN_DTYPES | {"consumed": np.int64}
 
 
 class SummaryEvent(msgspec.Struct, array_like=True):
-    """A consumption, discard or activation record, after `at` rollouts of its segment."""
+    """A consumption, discard, activation or eval record, after `at` rollouts of its segment."""
 
     at: int
-    record: ConsumptionRecord | ActivationRecord | DiscardRecord
+    record: ConsumptionRecord | ActivationRecord | DiscardRecord | EvalRecord
 
 
 class SegmentSummary(msgspec.Struct, array_like=True):

@@ -7,6 +7,7 @@ One log holds a tagged union of record types (the msgpack map key ``"type"`` nam
     consumption  ConsumptionRecord which rollouts a trainer step consumed (and what it measured)
     discard      DiscardRecord     completed rollouts that no trainer step will consume
     run_meta     RunMetaRecord     run identity and configuration
+    eval         EvalRecord        a held-out evaluation at one version (never trained on)
 
 A reader meets record types it does not know when a newer writer wrote the log:
 `decode_record` raises `UnknownRecordTypeError` for them, and the log readers skip and count
@@ -73,6 +74,8 @@ from replay.records.types import (
     ActivationRecord,
     ConsumptionRecord,
     DiscardRecord,
+    EvalPrompt,
+    EvalRecord,
     Record,
     RolloutRecord,
     RunMetaRecord,
@@ -83,7 +86,7 @@ __all__ = [
     "ACTIVATED", "COMPLETED", "DEFAULT_SAMPLING", "DISCARD_GROUP_FAILED", "DISCARD_SHUTDOWN",
     "DISCARD_STALE", "DISCARD_TRAINER_LOST", "DROP_ABORTED", "DROP_GROUP_FAILED", "DROP_SHUTDOWN",
     "DROP_STALE", "ENGINE_FENCED", "FLOAT32", "INT32", "RECORD_TAGS", "RECORD_TYPES", "ROLLED_BACK",
-    "STATUS_NAMES", "ActivationRecord", "Completed", "ConsumptionRecord", "DiscardRecord",
+    "STATUS_NAMES", "ActivationRecord", "Completed", "ConsumptionRecord", "DiscardRecord", "EvalPrompt", "EvalRecord",
     "Dropped", "EngineActivation", "Errored", "PolicyIdentity", "Record", "RolloutRecord",
     "RunMetaRecord", "SamplingSettings", "Status", "Timings", "decode_record", "encode_record",
     "encode_record_into", "encode_record_to", "int32_values", "make_rollout",

@@ -273,9 +273,43 @@ class RunMetaRecord(msgspec.Struct, frozen=True, tag="run_meta", tag_field="type
     config: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
-Record = RolloutRecord | ActivationRecord | ConsumptionRecord | RunMetaRecord | DiscardRecord
+class EvalPrompt(msgspec.Struct, frozen=True):
+    """One evaluated prompt: the rewards of its samples, in the order they were drawn."""
+
+    prompt_id: str
+    rewards: list[float]  # one per sample that was scored (errored samples are absent)
+    completion_tokens: list[int]  # the same samples' completion lengths
+    errored: int = 0  # samples that ended without a score (engine error, reward error)
+
+
+class EvalRecord(msgspec.Struct, frozen=True, tag="eval", tag_field="type"):
+    """A held-out evaluation at one version: never consumed by the trainer, left out of every
+    staleness statistic. Every evaluated token was sampled by `version` (activations wait while
+    an evaluation runs)."""
+
+    step: int  # trainer steps done when it ran (0: before the first)
+    version: int
+    task: str
+    k: int  # samples per prompt
+    prompts: int
+    mean_at_k: float | None  # mean reward over every scored sample; None when none was scored
+    pass_at_k: float | None  # share of prompts with a sample whose reward >= pass_threshold
+    pass_threshold: float
+    results: list[EvalPrompt]
+    components: dict[str, float] = msgspec.field(default_factory=dict)  # mean of each reward component
+    at: float | None = None
+    seconds: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("step", "version", "k", "prompts"):
+            _require_int(name, getattr(self, name))
+            if getattr(self, name) < 0:
+                raise InvalidRecordError(name, f"must be >= 0, got {getattr(self, name)}")
+
+
+Record = RolloutRecord | ActivationRecord | ConsumptionRecord | RunMetaRecord | DiscardRecord | EvalRecord
 RECORD_TYPES: Final = (RolloutRecord, ActivationRecord, ConsumptionRecord, RunMetaRecord,
-                       DiscardRecord)
+                       DiscardRecord, EvalRecord)
 RECORD_TAGS: Final = frozenset(cls.__struct_config__.tag for cls in RECORD_TYPES)
 
 make_rollout = RolloutRecord.from_lists

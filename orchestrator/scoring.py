@@ -1,0 +1,64 @@
+"""Scoring completions off the event loop, bounded in time.
+
+A task's `score_sync` (the user's reward functions included) runs in one of `task.score_workers`
+worker threads, each call bounded by `task.score_timeout_s`. A call that raises or returns no
+finite "reward" is a `ScoreFailed` of kind `reward_error`; one past its time is `reward_timeout`
+(its thread is abandoned, not killed: Python cannot stop a thread, so a reward function that
+never returns keeps that thread; the run goes on with fresh ones). The rollout is then recorded
+`errored(<kind>)` with the message, and the run goes on.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import anyio
+
+REWARD_ERROR = "reward_error"
+REWARD_TIMEOUT = "reward_timeout"
+
+
+class ScoreFailed(Exception):
+    def __init__(self, kind: str, message: str) -> None:
+        self.kind = kind
+        self.message = message
+        super().__init__(f"{kind}: {message}")
+
+
+class Scorer:
+    def __init__(self, task, *, workers: int, timeout_s: float) -> None:
+        self.task = task
+        self.timeout_s = timeout_s
+        self.limiter = anyio.CapacityLimiter(workers)
+
+    async def score(self, prompt, completion_token_ids: Sequence[int]) -> dict[str, float]:
+        try:
+            with anyio.fail_after(self.timeout_s):
+                rewards = await anyio.to_thread.run_sync(self.task.score_sync, prompt, completion_token_ids,
+                                                         limiter=self.limiter, abandon_on_cancel=True)
+        except TimeoutError:
+            raise ScoreFailed(REWARD_TIMEOUT, f"scoring took longer than task.score_timeout_s "
+                                              f"({self.timeout_s:g} s)") from None
+        except Exception as exc:  # noqa: BLE001 - a task's bug errors one rollout, not the run
+            raise ScoreFailed(REWARD_ERROR, _one_line(exc)) from None
+        return checked(rewards)
+
+
+def checked(rewards) -> dict[str, float]:
+    """The scores as floats; a missing or non-finite "reward" is a reward_error."""
+    if not isinstance(rewards, dict):
+        raise ScoreFailed(REWARD_ERROR, f"the task's score is a {type(rewards).__name__}, not a dict")
+    out = {}
+    for name, value in rewards.items():
+        if not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ScoreFailed(REWARD_ERROR, f"score {name!r} is {value!r}, not a finite number")
+        out[str(name)] = float(value)
+    if "reward" not in out:
+        raise ScoreFailed(REWARD_ERROR, f"the task's score has no 'reward': {sorted(out)}")
+    return out
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc) if type(exc).__name__ in str(exc) else f"{type(exc).__name__}: {exc}"
+    return " ".join(text.split())[:500]
