@@ -112,22 +112,32 @@ class InstantTrainer:
 
 
 class FixedTask:
-    def __init__(self) -> None:
+    """One prompt; a score that costs `score_ms` of Python work (a busy loop holding the GIL, like
+    a real reward function's parsing), or nothing."""
+
+    rows = None
+
+    def __init__(self, score_ms: float = 0.0) -> None:
         from orchestrator.tasks.base import Prompt
 
         self._prompt = Prompt(prompt_id="bench", index=0, text="bench", token_ids=tuple(range(1, 17)))
+        self.score_s = score_ms / 1000
 
     async def prompt(self, index: int):
         return self._prompt
 
-    async def score(self, prompt, completion_token_ids):
+    def score_sync(self, prompt, completion_token_ids):
+        if self.score_s:
+            end = time.perf_counter() + self.score_s
+            while time.perf_counter() < end:
+                pass
         return {"reward": 1.0}
 
 
 class BenchRun:
     """What `RunLoop` needs of a `Run`, with the fakes above and the real recorder and journal."""
 
-    def __init__(self, run_dir: Path, concurrency: int, rollouts: int) -> None:
+    def __init__(self, run_dir: Path, concurrency: int, rollouts: int, score_ms: float = 0.0) -> None:
         from orchestrator import scheduler as sch
         from orchestrator.config import RunConfig, RunSection, SchedulerConfig
         from orchestrator.fleet import Fleet
@@ -135,6 +145,7 @@ class BenchRun:
         from orchestrator.progress import Progress, ProgressState
         from orchestrator.recording import Recorder
         from orchestrator.resume import DispatchJournal
+        from orchestrator.scoring import Scorer
         from replay.records import PolicyIdentity, SamplingSettings
 
         group = 8
@@ -151,7 +162,10 @@ class BenchRun:
         self.fleet = Fleet([fake_engine("fake-0")])
         self.scheduler = sch.Scheduler(scheduler, ["fake-0"], max_steps=self.max_steps)
         self.trainer = InstantTrainer()
-        self.task = FixedTask()
+        self.task = FixedTask(score_ms)
+        self.scorer = Scorer(self.task, workers=4, timeout_s=60.0)
+        self.evaluator = None
+        self.tracking = None
         self.progress = Progress(ProgressState(self.max_steps), "none")
         self.identity = PolicyIdentity("bench", "", "", "float32", logprobs_mode="raw_logprobs")
         self.sampling = SamplingSettings(max_tokens=TOKENS)
@@ -159,14 +173,14 @@ class BenchRun:
 
     def record_activation(self, record) -> None: ...
 
-    def tensorboard_step(self, m, staleness) -> None: ...
+    def tensorboard_step(self, m, staleness, components=None) -> None: ...
 
 
-async def orchestrator_rate(concurrency: int, rollouts: int) -> dict:
+async def orchestrator_rate(concurrency: int, rollouts: int, score_ms: float = 0.0) -> dict:
     from orchestrator.loop import RunLoop
 
     with tempfile.TemporaryDirectory(prefix="inflight-bench-") as tmp:
-        run = BenchRun(Path(tmp), concurrency, rollouts)
+        run = BenchRun(Path(tmp), concurrency, rollouts, score_ms)
         loop = RunLoop(run)
         run.loop = loop
         started = time.perf_counter()
@@ -249,7 +263,17 @@ async def run_bench(args: argparse.Namespace) -> dict:
         result[f"overhead_ratio_c{c}"] = orch["rollouts_per_s"] / bare["rollouts_per_s"]
     if 64 in rates and 8192 in rates:
         result["scale_ratio_8192_vs_64"] = rates[8192] / rates[64]
+    result.update(await score_overhead(args.rollouts))
     return result
+
+
+async def score_overhead(rollouts: int, concurrency: int = 64, score_ms: float = 1.0) -> dict:
+    """Rollouts/s with a `score_ms` Python reward function against with none, in the same run:
+    scoring runs in worker threads, off the event loop (goal >= 0.9)."""
+    none = await orchestrator_rate(concurrency, rollouts, 0.0)
+    scored = await orchestrator_rate(concurrency, rollouts, score_ms)
+    return {"score_ms": score_ms, "orchestrator_unscored": none, "orchestrator_scored": scored,
+            "score_overhead_ratio": scored["rollouts_per_s"] / none["rollouts_per_s"]}
 
 
 def bench_command(args: argparse.Namespace) -> int:

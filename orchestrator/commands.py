@@ -40,6 +40,16 @@ def register(sub, bench_sub) -> None:
     run.add_argument("--resume", action="store_true",
                      help="continue the run in --run-dir after a crash or a stop (its config.json is used)")
     run.set_defaults(func=cmd_run)
+    export = sub.add_parser("export-model", help="one policy version of a run as a Hugging Face model directory",
+                            description="Write version V of the run in RUN_DIR (0: the base model) as a Hugging "
+                                        "Face directory (config, safetensors, tokenizer, chat template, a model "
+                                        "card) that transformers and vLLM load.")
+    export.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (inflight run --run-dir)")
+    export.add_argument("out_dir", metavar="OUT_DIR", help="the directory to write (must not exist, or be empty)")
+    export.add_argument("--version", default="latest", metavar="latest|V",
+                        help="the version to export: latest (default: the newest the run holds) or a number")
+    export.set_defaults(func=cmd_export_model)
+    __import__("orchestrator.eval_command", fromlist=["register"]).register(sub)
     __import__("orchestrator.bench_activation", fromlist=["register"]).register(bench_sub)
     __import__("orchestrator.bench_orchestrator", fromlist=["register"]).register(bench_sub)
 
@@ -71,6 +81,15 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     config = load_config(args.config) if args.config else None
     run = Run(config, args.run_dir, resume=args.resume, max_steps=args.max_steps)
+    run.config_path = args.config  # its directory is searched for the task's modules
     run.run_dir.mkdir(parents=True, exist_ok=True)
     log_to_file(Path(run.run_dir) / "orchestrator.jsonl", args.log_level)
     return anyio.run(run.main)
+
+
+def cmd_export_model(args: argparse.Namespace) -> int:
+    from orchestrator.export_model import export_model
+
+    result = export_model(args.run_dir, args.version, out_dir=args.out_dir)
+    print(f"{result.path}\tversion {result.version} ({result.source}: {result.source_path})")
+    return 0

@@ -70,11 +70,16 @@ class ActivationConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     swap_s: float = 60.0
     resume_s: float = 30.0
     rejoin_s: float = 180.0
+    # Activations of published versions that fail in a row before the run stops with the cause
+    # (a failure that repeats is not transient; /healthz reports degraded meanwhile).
+    max_failures: int = 5
 
     def validate(self) -> ActivationConfig:
         for name in ("stage_s", "drain_s", "pause_s", "swap_s", "resume_s", "rejoin_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"activation.{name}", f"must be > 0, got {getattr(self, name)}")
+        if self.max_failures < 1:
+            raise ConfigError("activation.max_failures", f"must be >= 1, got {self.max_failures}")
         if self.strategy == "pause_free" and self.kv_policy == "recompute":
             # Recomputing in-flight keys/values needs the engine paused; the flip has no pause.
             raise ConfigError("activation.kv_policy",
@@ -176,6 +181,17 @@ class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # travels alone): the trainer's extra memory while it publishes stays within two buckets
     # plus the largest tensor, on every rank.
     bucket_bytes: int = 64 << 20
+    # Where the trainer holds and computes the model. "cuda" needs a CUDA device where the
+    # trainer starts (else ConfigError at its start); under torchrun each rank takes
+    # cuda:LOCAL_RANK. Written, not yet run on a GPU.
+    device: Literal["cpu", "cuda"] = "cpu"
+    # The dtype the trainer holds and computes the model in (its gradients and Adam state too:
+    # no fp32 master copy). Published weights keep the engine's dtype (docs/trainer.md).
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    # Gradient accumulation: each micro-batch's padded size (rows x its longest prompt +
+    # completion) within this many tokens, samples bucketed by length, one optimizer step per
+    # batch (the same as the whole batch at once). None: the whole batch in one pass.
+    micro_batch_tokens: int | None = None
 
     @property
     def torchrun(self) -> bool:
@@ -197,6 +213,8 @@ class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ConfigError("trainer.world_size", f"must be >= 1, got {self.world_size}")
         if self.bucket_bytes < 1:
             raise ConfigError("trainer.bucket_bytes", f"must be >= 1, got {self.bucket_bytes}")
+        if self.micro_batch_tokens is not None and self.micro_batch_tokens < 1:
+            raise ConfigError("trainer.micro_batch_tokens", f"must be >= 1 (or unset), got {self.micro_batch_tokens}")
         for i, arg in enumerate(self.torchrun_args):
             flag = arg.split("=", 1)[0].replace("_", "-")
             if flag in ("--nproc-per-node", "-m", "--module", "--no-python"):
@@ -225,19 +243,139 @@ class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class TaskConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """The task that supplies prompts and scores completions."""
+    """The task that supplies prompts and scores completions (docs/tasks.md).
 
-    # digits: reward = share of completion tokens that decode to ASCII digits;
+    Three ways in, checked in this order: `entrypoint` (the user's factory, by import path),
+    `dataset` (a file or a `save_to_disk` directory, scored by `rewards`), or `name` (a built-in toy).
+    """
+
+    # Built-in toys: digits: reward = share of completion tokens that decode to ASCII digits;
     # length: the prompt asks for exactly N tokens, reward 1 - |len - N| / N.
     name: Literal["digits", "length"] = "digits"
     seed: int = 0
     length_min: int = 4
     length_max: int = 12
+    # "package.module:factory": called with `args` as keyword arguments (and `tokenizer=` when it
+    # takes one); returns a task object (row(index), optional __len__ and score) or a dataset.
+    entrypoint: str | None = None
+    args: dict[str, object] = {}
+    # JSONL, Parquet, CSV, or a `datasets.Dataset.save_to_disk` directory (read offline).
+    dataset: str | None = None
+    prompt_field: str = "prompt"  # a text column: the user message
+    messages_field: str | None = None  # or a column of chat messages [{role, content}, ...]
+    answer_field: str = "answer"  # what the built-in rewards compare against
+    system_prompt: str | None = None
+    # Rows in a fixed order per epoch, shuffled by `seed` (false: file order).
+    shuffle: bool = True
+    # Passes over the dataset; None: as many as the run needs.
+    epochs: int | None = None
+    # Rows whose prompt is longer (in tokens) are skipped and counted at start.
+    max_prompt_tokens: int | None = None
+    # [{fn = "exact"|"math"|"regex"|"package.module:function", weight = 1.0, ...}], summed by weight.
+    rewards: list[dict[str, object]] = []
+    # false: the prompt text is tokenized as is (a model without a chat template).
+    chat_template: bool = True
+    # Each scoring call (every reward function of one completion) is bounded by this.
+    score_timeout_s: float = 30.0
+    # Scoring runs off the event loop, in this many worker threads.
+    score_workers: int = 4
+    # The task's name in prompt ids, metrics and eval keys; default from entrypoint/dataset/name.
+    id: str | None = None
 
     def validate(self) -> TaskConfig:
         if not 1 <= self.length_min <= self.length_max:
             raise ConfigError("task.length_min", f"must be in [1, length_max={self.length_max}], got {self.length_min}")
+        if self.entrypoint is not None and ":" not in self.entrypoint:
+            raise ConfigError("task.entrypoint", f"must be 'package.module:factory', got {self.entrypoint!r}")
+        if self.epochs is not None and self.epochs < 1:
+            raise ConfigError("task.epochs", f"must be >= 1, got {self.epochs}")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            raise ConfigError("task.max_prompt_tokens", f"must be >= 1, got {self.max_prompt_tokens}")
+        if not self.score_timeout_s > 0:
+            raise ConfigError("task.score_timeout_s", f"must be > 0, got {self.score_timeout_s}")
+        if self.score_workers < 1:
+            raise ConfigError("task.score_workers", f"must be >= 1, got {self.score_workers}")
+        for i, spec in enumerate(self.rewards):
+            if not isinstance(spec.get("fn"), str):
+                raise ConfigError(f"task.rewards[{i}].fn", "required: \"exact\", \"math\", \"regex\" or "
+                                                           "\"package.module:function\"")
         return self
+
+    @property
+    def task_id(self) -> str:
+        """The task's name in prompt ids, metrics and eval keys."""
+        if self.id:
+            return self.id
+        if self.entrypoint:  # "my_pkg.tasks:make" -> "tasks" (a task object's own `name` wins at run time)
+            return self.entrypoint.split(":", 1)[0].rsplit(".", 1)[-1]
+        if self.dataset:
+            return Path(self.dataset).stem or "dataset"
+        return self.name
+
+
+class EvalConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Held-out evaluation on the live fleet while training goes on (docs/tasks.md#evaluation).
+
+    Every `every_steps` trainer steps (and before the first, with `at_start`) the first
+    `max_prompts` prompts of the eval task are sampled `samples_per_prompt` (k) times at the live
+    version; activations wait until it ends, so every eval token carries one version. mean@k is
+    the mean reward of the samples, pass@k the share of prompts with a sample whose reward is at
+    least `pass_threshold`. Eval rollouts never reach the trainer.
+    The task fields below default to [task]'s: set `dataset` (or `entrypoint`) to a held-out set.
+    """
+
+    every_steps: int = 0  # 0: no evaluation during the run
+    at_start: bool = True  # also evaluate the base model (version 0) before the first step
+    samples_per_prompt: int = 4
+    max_prompts: int = 32
+    temperature: float | None = None  # None: sampling.temperature
+    max_tokens: int | None = None  # None: sampling.max_tokens
+    pass_threshold: float = 1.0
+    timeout_s: float = 600.0  # one whole evaluation
+    # The eval task; each None is [task]'s value.
+    name: Literal["digits", "length"] | None = None
+    entrypoint: str | None = None
+    args: dict[str, object] | None = None
+    dataset: str | None = None
+    prompt_field: str | None = None
+    messages_field: str | None = None
+    answer_field: str | None = None
+    system_prompt: str | None = None
+    rewards: list[dict[str, object]] | None = None
+    id: str | None = None
+
+    def validate(self) -> EvalConfig:
+        for name in ("every_steps",):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"eval.{name}", f"must be >= 0, got {getattr(self, name)}")
+        for name in ("samples_per_prompt", "max_prompts"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"eval.{name}", f"must be >= 1, got {getattr(self, name)}")
+        if self.temperature is not None and not self.temperature > 0:
+            raise ConfigError("eval.temperature", f"must be > 0, got {self.temperature}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ConfigError("eval.max_tokens", f"must be >= 1, got {self.max_tokens}")
+        if not self.timeout_s > 0:
+            raise ConfigError("eval.timeout_s", f"must be > 0, got {self.timeout_s}")
+        return self
+
+    def task_config(self, task: TaskConfig) -> TaskConfig:
+        """[task] with this section's task fields over it: the eval task, in file order."""
+        changes = {name: getattr(self, name) for name in (
+            "name", "entrypoint", "args", "dataset", "prompt_field", "messages_field", "answer_field",
+            "system_prompt", "rewards", "id") if getattr(self, name) is not None}
+        if "dataset" in changes and "entrypoint" not in changes:
+            changes["entrypoint"] = None
+        if "entrypoint" in changes and "dataset" not in changes:
+            changes["dataset"] = None
+        if "name" in changes:
+            changes.setdefault("entrypoint", None)
+            changes.setdefault("dataset", None)
+            changes.setdefault("rewards", [])
+        if not self.id and ("dataset" in changes or "entrypoint" in changes or "name" in changes):
+            changes["id"] = None  # named after the eval's own source
+        changes.update(shuffle=False, epochs=None)
+        return msgspec.structs.replace(task, **changes).validate()
 
 
 class TransportConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -256,6 +394,12 @@ class TransportConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if not self.timeout_s > 0:
             raise ConfigError("transport.timeout_s", f"must be > 0, got {self.timeout_s}")
         return self
+
+
+class WandbConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    project: str
+    mode: Literal["online", "offline", "disabled"] = "offline"
+    name: str | None = None  # the run's display name; default: W&B's
 
 
 class RunSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -279,9 +423,20 @@ class RunSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     progress: Literal["auto", "rich", "plain", "none"] = "auto"
     # TensorBoard event files in RUN_DIR/tensorboard.
     tensorboard: bool = True
-    # Weights & Biases: a project name turns it on; mode "offline" needs no network.
+    # Weights & Biases (older spelling of `wandb`): a project name turns it on.
     wandb_project: str | None = None
     wandb_mode: Literal["online", "offline"] = "offline"
+
+    # Weights & Biases: `wandb = {project = "...", mode = "offline"}` turns it on; "offline" needs no
+    # network (the run lands in RUN_DIR/wandb; `wandb sync` uploads it later).
+    wandb: WandbConfig | None = None
+
+    def wandb_settings(self) -> WandbConfig | None:
+        if self.wandb is not None:
+            return self.wandb
+        if self.wandb_project:
+            return WandbConfig(project=self.wandb_project, mode=self.wandb_mode)
+        return None
 
     def validate(self) -> RunSection:
         if self.max_steps < 1:
@@ -328,6 +483,7 @@ class RunConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     transport: TransportConfig = TransportConfig()
     run: RunSection = RunSection()
     http: HttpConfig = HttpConfig()
+    eval: EvalConfig = EvalConfig()
 
     def validate(self) -> RunConfig:
         if isinstance(self.engines, int) and self.engines < 1:
@@ -336,9 +492,13 @@ class RunConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ConfigError("engines", "needs at least one [[engines]] table")
         self.engine.validate()
         check_sampling(self.sampling)
+        check_training_sampling(self.sampling)
         for section in (self.activation, self.scheduler, self.trainer, self.task, self.transport,
-                        self.run, self.http):
+                        self.run, self.http, self.eval):
             section.validate()
+        if self.eval.every_steps:
+            self.eval.task_config(self.task)  # the eval task's fields must be valid too
+        check_publish_cadence(self.trainer, self.scheduler)
         ids = [engine_id for engine_id, _ in self.engine_configs()]
         if len(set(ids)) != len(ids):
             raise ConfigError("engines", f"engine ids must be unique, got {ids}")
@@ -361,6 +521,34 @@ class RunConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 raise ConfigError(f"engines[{i}].{exc.field.removeprefix('engine.')}", exc.reason) from None
             out.append((override.id or f"engine-{i}", config))
         return out
+
+
+def check_training_sampling(s: SamplingSettings) -> None:
+    """What a run can train on, beyond the ranges every sampling setting has (`check_sampling`;
+    the replay record's type keeps accepting these, so that old logs still read)."""
+    if not s.temperature > 0:
+        raise ConfigError("sampling.temperature",
+                          f"must be > 0 to train, got {s.temperature}: greedy decoding (0) is refused for "
+                          "training (it samples from no distribution, and the trainer's logits / temperature "
+                          "would divide by zero)")
+    if s.min_tokens > 0:
+        raise ConfigError("sampling.min_tokens",
+                          f"must be 0 to train, got {s.min_tokens}: it forbids end-of-sequence before that "
+                          "many tokens, which truncates the distribution (as top_k does) in a way the "
+                          "trainer does not replicate")
+
+
+def check_publish_cadence(trainer: TrainerConfig, scheduler: SchedulerConfig) -> None:
+    """Between two published versions the trainer takes `publish_every` steps on samples of
+    the same live version, so its last step before the next publish trains on samples
+    publish_every - 1 versions old: beyond `max_off_policy_steps` no such sample may be
+    consumed, and the run would wait forever."""
+    every, bound = trainer.publish_every, scheduler.max_off_policy_steps
+    if every - 1 > bound:
+        raise ConfigError("trainer.publish_every",
+                          f"{every} needs samples {every - 1} versions old before the next version is "
+                          f"published, beyond scheduler.max_off_policy_steps = {bound}: the run would stall "
+                          f"after step {bound + 1}; use publish_every <= {bound + 1} or raise max_off_policy_steps")
 
 
 def load_config(path: str | Path) -> RunConfig:
@@ -408,6 +596,6 @@ def convert(data: object, type_: type, where: str):
         raise ConfigError(field or "config", message) from None
 
 
-__all__ = ["ActivationConfig", "ConfigError", "EngineConfig", "EngineOverride", "HttpConfig", "RunConfig",
+__all__ = ["ActivationConfig", "ConfigError", "EngineConfig", "EvalConfig", "WandbConfig", "EngineOverride", "HttpConfig", "RunConfig",
            "RunSection", "SamplingSettings", "SchedulerConfig", "TaskConfig", "TrainerConfig",
            "TransportConfig", "convert", "default_config", "load_config"]

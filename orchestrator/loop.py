@@ -27,6 +27,7 @@ from orchestrator.logging import get_logger
 from orchestrator.progress import StepLine
 from orchestrator.recording import RolloutContext, build_rollout_record
 from orchestrator.resume import CRASHED, JournalEntry
+from orchestrator.scoring import ScoreFailed
 from orchestrator.trainer.link import Batch, Failed, Sample, StepDone
 
 log = get_logger(__name__)
@@ -53,6 +54,9 @@ class RunLoop:
         self._pending_dispatch: list[sch.Dispatch] = []
         self.dispatched_at: dict[int, tuple[sch.Dispatch, float]] = {}
         self._dispatch_wakeup = anyio.Event()
+        # Held by an activation and by a held-out evaluation: no version goes live mid-evaluation.
+        self.activation_lock = anyio.Lock()
+        self._eval_wanted = anyio.Event()
 
     def restore_completed(self, records: dict) -> None:
         """Completed, unconsumed rollouts of a crashed run (resume.py): their groups are
@@ -78,6 +82,8 @@ class RunLoop:
             tg.start_soon(self._activator)
             tg.start_soon(self._loop_lag)
             tg.start_soon(self._dispatcher)
+            if getattr(self.run, "evaluator", None) is not None:
+                tg.start_soon(self._evaluations)
             self.perform(restored_actions)
             await self.stop_requested.wait()
             await self._shutdown()
@@ -118,6 +124,8 @@ class RunLoop:
                 self._submit(a)
         self.run.metrics.inflight.set(self.run.scheduler.inflight)
         self.run.progress.state.inflight = self.run.scheduler.inflight
+        if self.run.scheduler.exhausted:
+            self.request_stop("task exhausted")
 
     def handle(self, event) -> None:
         self.perform(self.run.scheduler.handle(event))
@@ -187,12 +195,10 @@ class RunLoop:
                 return
             if completion.status == "completed":
                 try:
-                    rewards = await self.run.task.score(self.prompts[d.group_id], completion.token_ids)
-                    if not isinstance(rewards.get("reward"), (int, float)) or not math.isfinite(rewards["reward"]):
-                        raise ValueError(f"the task's score has no finite 'reward': {rewards!r}")
-                except Exception as exc:  # noqa: BLE001 - a task's bug errors one rollout, not the run
-                    log.error("task.score_failed", rollout=d.rollout_id, error=repr(exc))
-                    self._finished(d, completion, "errored", "score_failed", repr(exc)[:500])
+                    rewards = await self.run.scorer.score(self.prompts[d.group_id], completion.token_ids)
+                except ScoreFailed as exc:  # the task's code failed on this one: it errors, the run goes on
+                    log.warning("task.score_failed", rollout=d.rollout_id, kind=exc.kind, error=exc.message)
+                    self._finished(d, completion, "errored", exc.kind, exc.message)
                     return
                 self.rewards[d.rollout_id] = rewards
                 self._finished(d, completion, "completed")
@@ -314,9 +320,10 @@ class RunLoop:
             staleness.append((m.step - 1) - c.dispatched_version)
             changes = c.changes or [(0, c.dispatched_version)]
             in_flight.append(changes[-1][1] - changes[0][1])
-        self.run.recorder.submit(consumption_record(m))
-        self.run.metrics.on_step(m.step, staleness, in_flight, m.reward_mean)
-        self.run.tensorboard_step(m, staleness)
+        components = reward_components([self.rewards.get(rid) for rid in rollout_ids])
+        self.run.recorder.submit(consumption_record(m, components))
+        self.run.metrics.on_step(m.step, staleness, in_flight, m.reward_mean, components)
+        self.run.tensorboard_step(m, staleness, components)
         for rid in rollout_ids:
             self._forget(rid)
         self.handle(sch.StepDone(step=m.step, version=m.version))
@@ -331,16 +338,20 @@ class RunLoop:
 
     # -- activation ----------------------------------------------------------------------------
     async def _activator(self) -> None:
-        """Activates the newest published version; a failed one is retried (newest wins)."""
+        """Activates the newest published version; a failed one is retried (newest wins), up to
+        `activation.max_failures` in a row: then the run stops with the cause. Meanwhile
+        `activation_failing` names the last failure (/healthz reports the run degraded)."""
         fleet = self.run.fleet
         failures = 0
+        self.activation_failing: str | None = None
         while True:
             await self._version_wanted.wait()
             self._version_wanted = anyio.Event()
             version = self.wanted_version
             if version <= fleet.live_version:
                 continue
-            record = await fleet.activate(version)
+            async with self.activation_lock:  # never in the middle of a held-out evaluation
+                record = await fleet.activate(version)
             self.run.record_activation(record)
             for eo in record.engines:
                 if eo.outcome == "engine_fenced":
@@ -348,20 +359,64 @@ class RunLoop:
             self._engines_fenced()  # also those fenced by a rolled-back activation
             if record.outcome in ("activated", "engine_fenced"):
                 failures = 0
+                self.activation_failing = None
                 self.run.metrics.live_version.set(version)
                 self.run.progress.state.live_version = version
                 self.run.progress.state.last_activation = (
                     f"v{version} {record.outcome} "
                     f"(pause {max((e.pause_s for e in record.engines), default=0):.3f}s)")
                 self.handle(sch.VersionLive(version=version))
+                self._eval_wanted.set()
             else:
                 failures += 1
                 log.warning("activation.failed", version=version, outcome=record.outcome, message=record.message)
                 if not fleet.coordinator.serving:
                     self.request_stop("no engine serves", failure="every engine is fenced")
                     return
+                cause = " | ".join(line.strip() for line in (record.message or "").splitlines() if line.strip())
+                self.activation_failing = f"version {version} {record.outcome}: {cause or 'no message'}"
+                limit = self.run.config.activation.max_failures
+                if failures >= limit:
+                    self.request_stop("activation failing", failure=(
+                        f"activation failed {failures} times in a row (activation.max_failures = {limit}); "
+                        f"last: {self.activation_failing}"))
+                    return
                 await anyio.sleep(min(30.0, 0.5 * 2 ** failures))
                 self._version_wanted.set()  # retry: the newest version wanted then
+
+    # -- evaluation ----------------------------------------------------------------------------
+    async def _evaluations(self) -> None:
+        """A held-out evaluation before the first step (eval.at_start) and whenever a version that
+        is a multiple of eval.every_steps goes live; the newest wins if several are due."""
+        evaluator, fleet = self.run.evaluator, self.run.fleet
+        every = self.run.config.eval.every_steps
+        done: set[int] = set()
+        if self.run.config.eval.at_start and fleet.live_version == 0 and self.run.scheduler.done_steps == 0:
+            self._eval_wanted.set()
+        while True:
+            await self._eval_wanted.wait()
+            self._eval_wanted = anyio.Event()
+            async with self.activation_lock:
+                version = fleet.live_version
+                if version in done or (version % every and version != 0):
+                    continue
+                done.add(version)
+                step = self.run.scheduler.done_steps
+                self.run.progress.state.status = f"running (evaluating v{version})"
+                with anyio.move_on_after(self.run.config.eval.timeout_s) as scope:
+                    record = await evaluator.run(fleet, step=step, version=version)
+                self.run.progress.state.status = "running"
+            if scope.cancelled_caught:
+                log.warning("eval.timed_out", version=version, seconds=self.run.config.eval.timeout_s)
+                continue
+            self.run.recorder.submit(record)
+            self.run.metrics.on_eval(record)
+            if self.run.tracking is not None:
+                self.run.tracking.evaluation(record)
+            log.info("eval.done", step=step, version=version, task=record.task, k=record.k,
+                     mean_at_k=record.mean_at_k, pass_at_k=record.pass_at_k, seconds=round(record.seconds, 2))
+            self.run.progress.state.last_eval = (f"v{version} pass@{record.k} {_fmt(record.pass_at_k)} "
+                                                 f"mean@{record.k} {_fmt(record.mean_at_k)}")
 
     async def _loop_lag(self) -> None:
         while True:
@@ -392,14 +447,30 @@ class RunLoop:
             self.batch = None
 
 
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}"
+
+
 def request_id(rollout_id: int) -> str:
     return f"rollout-{rollout_id}"
 
 
-def consumption_record(m: StepDone):
+def reward_components(scores: list[dict[str, float] | None]) -> dict[str, float]:
+    """The mean of each reward component (every score key but "reward") over the rollouts that
+    have it; a component no rollout reported is absent."""
+    sums: dict[str, list[float]] = {}
+    for score in scores:
+        for name, value in (score or {}).items():
+            if name != "reward":
+                sums.setdefault(name, []).append(float(value))
+    return {name: sum(values) / len(values) for name, values in sums.items()}
+
+
+def consumption_record(m: StepDone, components: dict[str, float] | None = None):
     from replay.records import ConsumptionRecord
 
     metrics = {k: float(v) for k, v in m.metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+    metrics.update({f"reward/{name}": value for name, value in (components or {}).items()})
     return ConsumptionRecord(step=m.step, rollout_ids=list(m.rollout_ids), advantages=m.advantages,
                              log_ratio_mean=m.log_ratio_mean, log_ratio_max_abs=m.log_ratio_max_abs,
                              reward_mean=m.reward_mean, loss=m.loss, version=m.version, metrics=metrics)

@@ -128,4 +128,14 @@ def load_resume_state(run_dir: Path, records) -> ResumeState:
             group_id=gid, version=min(r.dispatched_version for r in members),
             completed=tuple(RestoredRollout(rollout_id=r.rollout_id, version=r.dispatched_version) for r in members),
             dispatched=dispatched.get(gid, 0), retries=state.errored_per_group.get(gid, 0)))
+    # A group whose every rollout was in flight at the crash has nothing to keep, but its prompt
+    # (a dataset row) was never sampled to the end: it is sampled again, so no row is skipped.
+    # (A group with a consumed or discarded member was dealt with: it is not restored.)
+    settled_groups = {rid // ROLLOUT_ID_STRIDE for rid in settled}
+    untouched = sorted({e.group_id for e in state.lost} - set(by_group) - settled_groups)
+    for gid in untouched:
+        state.restored.append(RestoredGroup(
+            group_id=gid, version=max(e.version for e in state.lost if e.group_id == gid), completed=(),
+            dispatched=dispatched.get(gid, 0), retries=state.errored_per_group.get(gid, 0)))
+    state.restored.sort(key=lambda g: g.group_id)
     return state

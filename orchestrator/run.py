@@ -26,6 +26,7 @@ from orchestrator import scheduler as sch
 from orchestrator.config import RunConfig
 from orchestrator.errors import ConfigError, InflightError
 from orchestrator.logging import get_logger
+from orchestrator.preflight import check_model_paths, finished_steps
 from orchestrator.progress import Progress, ProgressState, summary
 
 log = get_logger(__name__)
@@ -38,12 +39,16 @@ class RunFailed(InflightError):
 
 def resolve_config(config: RunConfig | None, run_dir: Path, resume: bool) -> RunConfig:
     """On --resume the run's own config.json is the truth (a config file given as well must be
-    the same run's); otherwise the given config (or the embedded default)."""
+    the same run's: refused, naming the keys that differ); otherwise the given config (or the
+    embedded default)."""
+    from orchestrator.preflight import check_resume_config
+
     stored = run_dir / CONFIG_FILE
     if resume:
         if not stored.exists():
             raise ConfigError("--resume", f"{run_dir} holds no run to resume (no {CONFIG_FILE})")
         saved = msgspec.json.decode(stored.read_bytes(), type=RunConfig).validate()
+        check_resume_config(config, saved, run_dir)
         return saved
     if stored.exists():
         raise ConfigError("--run-dir", f"{run_dir} already holds a run; use --resume to continue it "
@@ -73,30 +78,51 @@ class Run:
         self.max_steps = max_steps or self.config.run.max_steps
         if self.max_steps < 1:
             raise ConfigError("--max-steps", f"must be >= 1, got {self.max_steps}")
+        check_model_paths(self.config)
         self.sampling, self.logprobs_mode = run_sampling(self.config)
         self.http = None
         self.http_socket = None
         self.progress = Progress(ProgressState(self.max_steps), self.config.run.progress)
-        self._tb = None
+        self.tracking = None
 
     # -- the whole run -------------------------------------------------------------------------
     async def main(self) -> int:
         from orchestrator.loop import RunLoop
+        from orchestrator.reaper import Reaper
 
+        if self.resume and self._already_finished():
+            return 0
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.state = "starting"
+        self._start_http()  # before any engine: a port in use fails here, named
         if not self.resume:
             (self.run_dir / CONFIG_FILE).write_bytes(msgspec.json.format(msgspec.json.encode(self.config)))
         self.run_id = self._run_id()
         self.loop = RunLoop(self)
-        self.state = "starting"
+        # Every process started from here on dies with the run, even when this one is SIGKILLed.
+        self.reaper = Reaper.start()
+        try:
+            await self._run_with_services()
+        finally:
+            await anyio.to_thread.run_sync(self.reaper.stop)
+        stats = self.recorder_stats
+        print(summary(self.progress.state, stats, str(self.run_dir), self.http and self.http.url))
+        if self.loop.failure:
+            raise RunFailed(self.loop.failure)
+        return 0
+
+    async def _run_with_services(self) -> None:
         with self.progress:
             async with anyio.create_task_group() as services:
+                if self.http is not None:
+                    services.start_soon(self.http.serve, self.http_socket)
                 try:
                     restored_actions = await self._setup()
-                    if self.http is not None:
-                        services.start_soon(self.http.serve, self.http_socket)
                     self.state = "running"
-                    await self.loop.main(restored_actions)
+                    if self.scheduler.done_steps < self.max_steps:
+                        await self.loop.main(restored_actions)
+                    else:  # the resume only recorded the last steps' consumption: nothing left
+                        log.info("run.already_finished", step=self.scheduler.done_steps, max_steps=self.max_steps)
                 finally:
                     self.state = "stopping"
                     await self._teardown()
@@ -104,11 +130,16 @@ class Run:
                 if self.http is not None:
                     await self._linger()
                     self.http.stop()
-        stats = self.recorder_stats
-        print(summary(self.progress.state, stats, str(self.run_dir), self.http and self.http.url))
-        if self.loop.failure:
-            raise RunFailed(self.loop.failure)
-        return 0
+
+    def _already_finished(self) -> bool:
+        """A resumed run that reached its max steps says so and starts nothing."""
+        done = finished_steps(self.run_dir, self.config, self.max_steps)
+        if done is None:
+            return False
+        log.info("run.already_finished", step=done, max_steps=self.max_steps)
+        print(f"inflight: {self.run_dir} already reached step {done} (max steps {self.max_steps}): nothing to do; "
+              f"--max-steps N with N > {done} continues it")
+        return True
 
     async def _linger(self) -> None:
         """Keep answering /stats and /metrics over the finished, flushed log for run.linger_s."""
@@ -136,7 +167,9 @@ class Run:
         from orchestrator.model import ensure_model
         from orchestrator.recording import Recorder, policy_identity
         from orchestrator.resume import DispatchJournal
+        from orchestrator.scoring import Scorer
         from orchestrator.tasks import make_task
+        from orchestrator.tasks.entrypoint import search_path
         from orchestrator.trainer.launcher import TrainerProcess
 
         config = self.config
@@ -149,7 +182,10 @@ class Run:
         self.recorder = Recorder(self.run_dir, fsync_every_records=config.run.fsync_every_records,
                                  fsync_every_ms=config.run.fsync_every_ms, on_record=self.metrics.on_record)
         self.journal = DispatchJournal(self.run_dir)
-        self.task = make_task(config.task, model_dir)
+        self.task = await anyio.to_thread.run_sync(lambda: make_task(
+            config.task, model_dir, search_path=search_path(getattr(self, "config_path", None))))
+        self.scorer = Scorer(self.task, workers=config.task.score_workers, timeout_s=config.task.score_timeout_s)
+        self.evaluator = await self._evaluator(model_dir)
         self.progress.state.status = "starting the trainer and engines"
         self.progress.refresh()
         self.trainer = TrainerProcess(config, self.run_dir, model_dir, resume=self.resume)
@@ -181,12 +217,36 @@ class Run:
         self.scheduler = sch.Scheduler(config.scheduler, [e.engine_id for e in self.engines],
                                        max_steps=self.max_steps, done_steps=ready.step,
                                        live_version=self.fleet.live_version, published_version=ready.version,
-                                       next_group_id=restored.next_group_id)
+                                       next_group_id=restored.next_group_id, max_groups=self._max_groups())
         self.scheduler.restore(restored.restored)
         self._start_http()
-        self._start_tensorboard()
+        self._start_tracking()
         self.progress.state.status = "running"
         return self.scheduler.start()
+
+    async def _evaluator(self, model_dir: str):
+        """The held-out evaluation ([eval] every_steps > 0), its prompts built and checked now."""
+        from orchestrator.eval import Evaluator
+        from orchestrator.scoring import Scorer
+        from orchestrator.tasks import make_task
+        from orchestrator.tasks.entrypoint import search_path
+
+        config = self.config
+        if not config.eval.every_steps:
+            return None
+        task_config = config.eval.task_config(config.task)
+        task = await anyio.to_thread.run_sync(lambda: make_task(
+            task_config, model_dir, search_path=search_path(getattr(self, "config_path", None)), where="eval",
+            tokenizer=self.task.tokenizer))
+        scorer = Scorer(task, workers=task_config.score_workers, timeout_s=task_config.score_timeout_s)
+        evaluator = Evaluator(task, scorer, config.eval, self.sampling)
+        await evaluator.load()
+        return evaluator
+
+    def _max_groups(self) -> int | None:
+        """A dataset read for a set number of epochs has that many prompts (groups)."""
+        rows, epochs = self.task.rows, self.config.task.epochs
+        return rows * epochs if rows is not None and epochs is not None else None
 
     async def _restore(self, ready):
         """A fresh run writes its meta record; a resumed one reconciles log, journal and trainer."""
@@ -240,18 +300,19 @@ class Run:
             engines=[EngineActivation(eo.engine, eo.transfer_s, eo.pause_s, eo.outcome) for eo in record.engines],
             activated_at=time.time(), message=record.message[:1000], strategy=record.strategy,
             kv_policy=record.kv_policy, kv_carried=record.kv_carried))
-        if self._tb is not None:
-            for eo in record.engines:
-                self._tb.add_scalar(f"activation/pause_s/{eo.engine}", eo.pause_s, record.version)
-                self._tb.add_scalar(f"activation/transfer_s/{eo.engine}", eo.transfer_s, record.version)
+        if self.tracking is not None:
+            self.tracking.activation(record)
 
     # -- side services ---------------------------------------------------------------------------
     def _start_http(self) -> None:
+        """Bind the live query server's socket (once; `main` does it before anything starts, so
+        that a port in use fails the run at once, named). Until the replay log and metrics
+        exist, /stats and /metrics answer 503 and /healthz says "starting"."""
         from orchestrator.http import HttpServer, build_app
 
-        if not self.config.http.enabled:
+        if not self.config.http.enabled or self.http is not None:
             return
-        app = build_app(self.recorder.stats, self.metrics.render, self._health)
+        app = build_app(self._live_stats, self._live_metrics, self._health)
         self.http = HttpServer(app, self.config.http.host, self.config.http.port, self.run_dir)
         try:
             self.http_socket = self.http.bind()
@@ -259,39 +320,36 @@ class Run:
             raise ConfigError("http.port", f"cannot listen on {self.config.http.host}:{self.config.http.port}: "
                                            f"{exc}") from None
 
+    def _live_stats(self, filters) -> dict | None:
+        """/stats over the live log; None (503) while the run is starting."""
+        recorder = getattr(self, "recorder", None)
+        return recorder.stats(filters) if recorder is not None else None
+
+    def _live_metrics(self) -> bytes | None:
+        metrics = getattr(self, "metrics", None)
+        return metrics.render() if metrics is not None else None
+
     def _health(self) -> dict:
         scheduler = getattr(self, "scheduler", None)
-        return {"ok": True, "run_id": self.run_id, "state": self.state,
-                "step": scheduler.done_steps if scheduler else None,
-                "live_version": self.fleet.live_version, "serving": list(self.fleet.coordinator.serving),
-                "in_flight": scheduler.inflight if scheduler else None}
+        fleet = getattr(self, "fleet", None)
+        failing = getattr(getattr(self, "loop", None), "activation_failing", None)
+        health = {"ok": failing is None, "run_id": getattr(self, "run_id", None), "state": self.state,
+                  "step": scheduler.done_steps if scheduler else None,
+                  "live_version": fleet.live_version if fleet else None,
+                  "serving": list(fleet.coordinator.serving) if fleet else [],
+                  "in_flight": scheduler.inflight if scheduler else None}
+        if failing is not None:
+            health["degraded"] = f"activation failing: {failing}"
+        return health
 
-    def _start_tensorboard(self) -> None:
-        if self.config.run.tensorboard:
-            from tensorboardX import SummaryWriter
+    def _start_tracking(self) -> None:
+        from orchestrator.tracking import Tracking
 
-            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
-        if self.config.run.wandb_project:
-            try:
-                import wandb
-            except ImportError:
-                raise ConfigError("run.wandb_project", "Weights & Biases is not installed: "
-                                                       "pip install wandb (or leave wandb_project unset)") from None
-            self._wandb = wandb.init(project=self.config.run.wandb_project, mode=self.config.run.wandb_mode,
-                                     dir=str(self.run_dir), id=self.run_id, resume="allow",
-                                     config=msgspec.to_builtins(self.config))
+        self.tracking = Tracking(self.run_dir, self.config, self.run_id)
 
-    def tensorboard_step(self, m, staleness: list[int]) -> None:
-        scalars = {"reward/mean": m.reward_mean, "loss": m.loss, "staleness/mean": sum(staleness) / len(staleness),
-                   "staleness/max": max(staleness), "time/step_s": m.seconds,
-                   **{f"trainer/{k}": v for k, v in m.metrics.items()}}
-        if self._tb is not None:
-            for name, value in scalars.items():
-                if value is not None:
-                    self._tb.add_scalar(name, value, m.step)
-        wandb_run = getattr(self, "_wandb", None)
-        if wandb_run is not None:
-            wandb_run.log({k: v for k, v in scalars.items() if v is not None}, step=m.step)
+    def tensorboard_step(self, m, staleness: list[int], components: dict[str, float] | None = None) -> None:
+        if self.tracking is not None:
+            self.tracking.step_done(m, staleness, components or {}, self.metrics.tokens_per_second)
 
     # -- teardown --------------------------------------------------------------------------------
     async def _teardown(self) -> None:
@@ -312,10 +370,8 @@ class Run:
                     await anyio.to_thread.run_sync(recorder.close)
             if getattr(self, "journal", None) is not None:
                 self.journal.close()
-            if self._tb is not None:
-                self._tb.close()
-            if getattr(self, "_wandb", None) is not None:
-                self._wandb.finish()
+            if self.tracking is not None:
+                self.tracking.close()
 
 
 async def _shutdown_engine(engine) -> None:

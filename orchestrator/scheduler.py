@@ -193,7 +193,9 @@ class Scheduler:
     def restore(self, groups: Iterable[RestoredGroup]) -> None:
         """Groups of a crashed run whose completed rollouts no step consumed yet."""
         for r in groups:
-            group = _Group(r.group_id, r.version, dispatched=r.dispatched, retries=r.retries)
+            # A group with nothing completed is sampled afresh: at the live version, like a new one.
+            version = r.version if r.completed else max(r.version, self.live)
+            group = _Group(r.group_id, version, dispatched=r.dispatched, retries=r.retries)
             for rollout in r.completed:
                 group.members[rollout.rollout_id] = _Member(rollout.rollout_id, r.group_id, None,
                                                             rollout.version, state="completed")

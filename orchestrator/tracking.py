@@ -36,10 +36,14 @@ class Tracking:
             except ImportError:
                 raise ConfigError("run.wandb", "Weights & Biases is not installed: pip install wandb "
                                                "(or leave run.wandb unset)") from None
+            # resume="allow" continues the same W&B run after --resume online; offline, W&B 0.31
+            # writes nothing at all with it (measured), so a resumed offline run gets a new
+            # offline directory under the same id, which `wandb sync` joins.
+            resume = "allow" if wandb_config.mode == "online" else None
             self._wandb = wandb.init(project=wandb_config.project, mode=wandb_config.mode, dir=str(run_dir),
-                                     id=run_id, name=wandb_config.name, resume="allow",
+                                     id=run_id, name=wandb_config.name, resume=resume,
                                      config=msgspec.to_builtins(config), settings=wandb.Settings(
-                                         console="off", silent=True, x_disable_stats=True))
+                                         console="off", silent=True))
 
     def log(self, scalars: dict[str, float | None], step: int | None = None) -> None:
         """Log the known values (None: not measured, left out) at `step` (default: the newest)."""

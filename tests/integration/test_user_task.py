@@ -1,0 +1,222 @@
+"""A user's own task through `inflight run` (real engine, real trainer, a task package in a
+temporary directory that this project knows nothing of): it learns, its faults are recorded and
+the run goes on, held-out evaluation runs at one version per record, W&B gets the field's names,
+and --resume after SIGKILL continues at the next dataset row.
+
+The learnable toy: docs/tasks.md's `digit_share` reward on "Write digits: ..." prompts from a JSONL
+dataset (the share of the completion's non-space characters that are digits): the tiny-rl model
+reaches it within 40 steps like the built-in digits task.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from replay.log import read_records
+from replay.records import ConsumptionRecord, EvalRecord, RolloutRecord
+from tests.doc_snippets import write_snippets
+from tests.integration.test_run import finish, kill_group, start, stats_json, wait_for
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
+FAULTS = '''
+import time
+
+
+def trip(completion, mode="", **row):
+    """Raises on rows marked "raise"; hangs on rows marked "hang"; else 0."""
+    if mode == "raise":
+        raise RuntimeError(f"tripped on {row['answer']}")
+    if mode == "hang":
+        time.sleep(60)
+    return 0.0
+'''
+
+
+def digits_rows(n: int, seed: int, modes: dict[int, str] | None = None) -> list[dict]:
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        digits = [str(rng.randrange(10)) for _ in range(3)]
+        rows.append({"prompt": "Write digits: " + " ".join(digits), "answer": "".join(digits),
+                     "mode": (modes or {}).get(i, "")})
+    return rows
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def package(tmp_path: Path, model: Path, extra: str = "", faults: bool = False, run_extra: str = "") -> Path:
+    """The guide's package, plus a dataset and a config, in a directory of its own."""
+    write_snippets(tmp_path)
+    modes = {5: "raise", 77: "raise", 140: "hang"} if faults else {}
+    write_jsonl(tmp_path / "train.jsonl", digits_rows(256, 0, modes))
+    write_jsonl(tmp_path / "heldout.jsonl", digits_rows(8, 1))
+    (tmp_path / "faults.py").write_text(FAULTS)
+    rewards = '{ fn = "my_task.rewards:digit_share", weight = 1.0 }'
+    if faults:
+        rewards += ', { fn = "faults:trip", weight = 0.0 }'
+    config = tmp_path / "task.toml"
+    config.write_text(f"""
+[engine]
+model = "{model}"
+[task]
+dataset = "train.jsonl"
+rewards = [{rewards}]
+score_timeout_s = 2.0
+[run]
+progress = "plain"
+{run_extra}
+[http]
+enabled = false
+{extra}
+""")
+    return config
+
+
+def run_in(directory: Path, args: list[str], log: Path):
+    """`inflight run` with `directory` as its working directory (the user's package lives there)."""
+    cwd = os.getcwd()
+    test = os.environ.pop("PYTEST_CURRENT_TEST", None)  # wandb-core writes no history under it (measured)
+    os.chdir(directory)
+    try:
+        return start(args, log)
+    finally:
+        os.chdir(cwd)
+        if test is not None:
+            os.environ["PYTEST_CURRENT_TEST"] = test
+
+
+@pytest.fixture(scope="module")
+def rl_model(tmp_path_factory) -> Path:
+    from orchestrator.model import ensure_model
+
+    return ensure_model(tmp_path_factory.mktemp("models") / "tiny-rl", preset="tiny-rl", seed=0)
+
+
+@pytest.mark.timeout(1500)
+def test_a_user_task_package_learns_records_its_faults_evaluates_and_tracks(tmp_path, rl_model):
+    config = package(tmp_path, rl_model, faults=True,
+                     run_extra='wandb = { project = "inflight-test", mode = "offline" }', extra="""
+[eval]
+every_steps = 10
+dataset = "heldout.jsonl"
+samples_per_prompt = 4
+max_prompts = 8
+""")
+    run_dir, log = tmp_path / "run", tmp_path / "out.log"
+    proc = run_in(tmp_path, [str(config), "--run-dir", str(run_dir), "--max-steps", "40"], log)
+    try:
+        finish(proc, log, timeout=1400)
+    finally:
+        kill_group(proc)
+    records = list(read_records(run_dir))
+    rollouts = {r.rollout_id: r for r in records if isinstance(r, RolloutRecord)}
+    steps = [c for c in records if isinstance(c, ConsumptionRecord)]
+    assert [c.step for c in steps] == list(range(1, 41))
+
+    # It learns: the reward (the user's digit_share) rises within the run.
+    rewards = [c.reward_mean for c in steps]
+    assert max(rewards[-10:]) >= 0.5 and max(rewards[-10:]) >= sum(rewards[:5]) / 5 + 0.3, rewards
+    # Every component is recorded per rollout and per step.
+    completed = [r for r in rollouts.values() if r.status_name == "completed"]
+    assert completed and all({"reward", "digit_share", "trip"} <= set(r.rewards) for r in completed)
+    stats = stats_json(run_dir)
+    assert all(row["reward_components"]["digit_share"] == pytest.approx(row["reward_mean"])
+               for row in stats["per_step"])
+
+    # A raising reward errors its rollouts with the message; a hanging one times out; the run finished.
+    errored = [r for r in rollouts.values() if r.status_name == "errored"]
+    kinds = {r.status.kind for r in errored}
+    assert {"reward_error", "reward_timeout"} <= kinds, kinds
+    assert any("tripped on" in r.status.message for r in errored if r.status.kind == "reward_error")
+    assert stats["errored_by_kind"]["reward_error"] >= 8
+
+    # Evaluation: at the configured versions, one version per record, never trained on.
+    evals = [r for r in records if isinstance(r, EvalRecord)]
+    assert len(evals) >= 3 and evals[0].version == 0
+    assert all(e.version % 10 == 0 for e in evals) and len({e.version for e in evals}) == len(evals)
+    for e in evals:
+        assert e.k == 4 and e.prompts == 8 and e.task == "heldout"
+        assert all(len(p.rewards) == 4 and p.errored == 0 for p in e.results)  # every sample at e.version
+        passed = sum(any(x >= e.pass_threshold for x in p.rewards) for p in e.results)
+        assert e.pass_at_k == passed / len(e.results)
+        assert e.mean_at_k == pytest.approx(sum(x for p in e.results for x in p.rewards) / (4 * len(e.results)))
+    assert [(x["step"], x["version"], x["pass_at_k"]) for x in stats["eval"]] == [
+        (e.step, e.version, e.pass_at_k) for e in evals]
+    consumed = [rid for c in steps for rid in c.rollout_ids]
+    assert len(consumed) == 40 * 64 and set(consumed) <= set(rollouts)
+    assert not any(r.prompt_id.startswith("heldout") for r in rollouts.values())
+
+    # W&B offline: the run directory holds an offline run with the field's metric names.
+    runs = list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1, list((run_dir / "wandb").rglob("*"))
+    data = runs[0].read_bytes()
+    for name in ("reward/mean", "reward/digit_share", "staleness/mean", "staleness/max", "mismatch/kl",
+                 "timing/pause_s", "throughput/tokens_per_s", "eval/heldout/pass@4", "eval/heldout/mean@4"):
+        assert name.encode() in data, name
+
+
+@pytest.mark.timeout(1500)
+def test_resume_after_sigkill_continues_at_the_next_dataset_row(tmp_path, rl_model):
+    config = package(tmp_path, rl_model, extra="[transport]\nkeep_last = 32\n")
+    run_dir = tmp_path / "run"
+    log = tmp_path / "out.log"
+    proc = run_in(tmp_path, [str(config), "--run-dir", str(run_dir), "--max-steps", "8"], log)
+    try:
+        def steps_done() -> int:
+            try:
+                return sum(1 for r in read_records(run_dir) if isinstance(r, ConsumptionRecord))
+            except Exception:  # noqa: BLE001 - the log is being written
+                return 0
+
+        wait_for(lambda: steps_done() >= 3, 900, proc, log, "three steps")
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        kill_group(proc)
+    before = list(read_records(run_dir))
+    proc = run_in(tmp_path, ["--run-dir", str(run_dir), "--resume", "--max-steps", "8"], tmp_path / "resume.log")
+    try:
+        finish(proc, tmp_path / "resume.log")
+    finally:
+        kill_group(proc)
+    records = list(read_records(run_dir))
+    assert len(records) > len(before)
+    # Each group is one prompt index; index g names row order[g] of the epoch (seeded shuffle).
+    sys.path.insert(0, str(tmp_path))
+    cwd = os.getcwd()
+    try:
+        from orchestrator.config import load_config
+        from orchestrator.tasks import make_task
+
+        os.chdir(tmp_path)
+        task = make_task(load_config(config).task, str(rl_model), search_path=[str(tmp_path)])
+    finally:
+        os.chdir(cwd)
+        sys.path.remove(str(tmp_path))
+    rows_by_group: dict[int, set[str]] = {}
+    for r in records:
+        if isinstance(r, RolloutRecord):
+            rows_by_group.setdefault(r.group_id, set()).add(r.prompt_id)
+    groups = sorted(rows_by_group)
+    assert groups == list(range(len(groups))), "a prompt index was skipped"
+    assert len(groups) < task.rows  # one epoch: every row at most once
+    for g in groups:
+        number, _ = task.row_at(g)
+        assert rows_by_group[g] == {f"{task.name}-{number:06d}"}, g
+    rows = [next(iter(rows_by_group[g])) for g in groups]
+    assert len(rows) == len(set(rows)), "a row was repeated within the epoch"
+    # The resumed run drew its next rows where the first stopped: its first new group follows the last old one.
+    old_groups = {r.group_id for r in before if isinstance(r, RolloutRecord)}
+    new_groups = {r.group_id for r in records[len(before):] if isinstance(r, RolloutRecord)}
+    assert min(new_groups - old_groups) == max(old_groups) + 1
