@@ -7,7 +7,11 @@
    rollouts in flight and nothing else. `overhead_ratio_cN` = orchestrator rollouts/s over bare
    rollouts/s at N in flight (goal >= 0.5); `scale_ratio_8192_vs_64` = orchestrator rollouts/s
    at 8192 over at 64 (goal >= 0.7).
-2. Async speed-up (`--digits-steps N`, real engine and trainer): the embedded default config
+2. Scoring off the loop: `score_overhead_ratio` = orchestrator rollouts/s with a 1 ms Python
+   reward function over with none, same run (goal >= 0.9).
+3. Flat memory: `rss_growth_ratio` = resident memory after `--soak-steps` steps over after a
+   tenth of them, the real loop on the fake engine and trainer (goal <= 1.1).
+4. Async speed-up (`--digits-steps N`, real engine and trainer): the embedded default config
    run in async mode and in sync mode for the same number of steps; `async_speedup` = trainer
    steps per minute async over sync.
 """
@@ -15,6 +19,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import tempfile
@@ -33,6 +38,8 @@ def register(bench_sub) -> None:
     p.add_argument("--rollouts", type=int, default=16384, help="rollouts per measurement (at least 2 batches)")
     p.add_argument("--digits-steps", type=int, default=12,
                    help="trainer steps per mode for async_speedup on the digits task (0: skip; real engine)")
+    p.add_argument("--soak-steps", type=int, default=2000,
+                   help="steps of the memory soak (rss_growth_ratio: RSS at the end over RSS at a tenth; 0: skip)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=bench_command)
 
@@ -41,11 +48,11 @@ def register(bench_sub) -> None:
 # The fake engine and the fake trainer.
 
 
-def fake_engine(engine_id: str):
+def fake_engine(engine_id: str, tokens: int = TOKENS):
     from orchestrator.engines.base import Engine, TokenChunk, VersionSpan
 
     class ZeroLatencyEngine(Engine):
-        """Streams TOKENS tokens in chunks of CHUNK, yielding to the loop between chunks."""
+        """Streams `tokens` tokens in chunks of CHUNK, yielding to the loop between chunks."""
 
         def __init__(self) -> None:
             self.engine_id = engine_id
@@ -57,13 +64,13 @@ def fake_engine(engine_id: str):
         async def start(self): ...
 
         async def generate(self, request_id, prompt_token_ids, sampling, cache_salt=None, final_only=False):
-            for start in range(0, TOKENS, CHUNK):
+            for start in range(0, tokens, CHUNK):
                 await anyio.lowlevel.checkpoint()
-                n = min(CHUNK, TOKENS - start)
-                last = start + n >= TOKENS
+                n = min(CHUNK, tokens - start)
+                last = start + n >= tokens
                 yield TokenChunk(self._chunk_ids[:n], self._chunk_lps[:n], finished=last,
                                  finish_reason="length" if last else None,
-                                 version_spans=[VersionSpan(self.version, 0, TOKENS)] if last else None)
+                                 version_spans=[VersionSpan(self.version, 0, tokens)] if last else None)
 
         async def abort(self, request_id): ...
         async def pause(self, mode="keep", clear_cache=True): ...
@@ -113,7 +120,8 @@ class InstantTrainer:
 
 class FixedTask:
     """One prompt; a score that costs `score_ms` of Python work (a busy loop holding the GIL, like
-    a real reward function's parsing), or nothing."""
+    a real reward function's parsing), or nothing. Picklable: a process pool's workers build it
+    with `functools.partial(FixedTask, score_ms)`."""
 
     rows = None
 
@@ -134,10 +142,26 @@ class FixedTask:
         return {"reward": 1.0}
 
 
-class BenchRun:
-    """What `RunLoop` needs of a `Run`, with the fakes above and the real recorder and journal."""
+class InlineScorer:
+    """Scores on the event loop itself: the baseline that costs no hop (a free score only)."""
 
-    def __init__(self, run_dir: Path, concurrency: int, rollouts: int, score_ms: float = 0.0) -> None:
+    def __init__(self, task) -> None:
+        self.task = task
+
+    async def start(self) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+    async def score(self, prompt, completion_token_ids):
+        return self.task.score_sync(prompt, completion_token_ids)
+
+
+class BenchRun:
+    """What `RunLoop` needs of a `Run`, with the fakes above and the real recorder and journal.
+    `pool`: "thread" or "process" (`task.score_pool`), or "inline" (on the loop: a baseline)."""
+
+    def __init__(self, run_dir: Path, concurrency: int, rollouts: int, score_ms: float = 0.0,
+                 tokens: int = TOKENS, pool: str = "thread") -> None:
         from orchestrator import scheduler as sch
         from orchestrator.config import RunConfig, RunSection, SchedulerConfig
         from orchestrator.fleet import Fleet
@@ -145,7 +169,7 @@ class BenchRun:
         from orchestrator.progress import Progress, ProgressState
         from orchestrator.recording import Recorder
         from orchestrator.resume import DispatchJournal
-        from orchestrator.scoring import Scorer
+        from orchestrator.scoring import make_scorer
         from replay.records import PolicyIdentity, SamplingSettings
 
         group = 8
@@ -159,16 +183,17 @@ class BenchRun:
         self.metrics = RunMetrics()
         self.recorder = Recorder(run_dir, on_record=self.metrics.on_record)
         self.journal = DispatchJournal(run_dir)
-        self.fleet = Fleet([fake_engine("fake-0")])
+        self.fleet = Fleet([fake_engine("fake-0", tokens)])
         self.scheduler = sch.Scheduler(scheduler, ["fake-0"], max_steps=self.max_steps)
         self.trainer = InstantTrainer()
         self.task = FixedTask(score_ms)
-        self.scorer = Scorer(self.task, workers=4, timeout_s=60.0)
+        self.scorer = InlineScorer(self.task) if pool == "inline" else make_scorer(
+            self.task, pool=pool, workers=4, timeout_s=60.0, builder=functools.partial(FixedTask, score_ms))
         self.evaluator = None
         self.tracking = None
         self.progress = Progress(ProgressState(self.max_steps), "none")
         self.identity = PolicyIdentity("bench", "", "", "float32", logprobs_mode="raw_logprobs")
-        self.sampling = SamplingSettings(max_tokens=TOKENS)
+        self.sampling = SamplingSettings(max_tokens=tokens)
         self.http = None
 
     def record_activation(self, record) -> None: ...
@@ -176,23 +201,28 @@ class BenchRun:
     def tensorboard_step(self, m, staleness, components=None) -> None: ...
 
 
-async def orchestrator_rate(concurrency: int, rollouts: int, score_ms: float = 0.0) -> dict:
+async def orchestrator_rate(concurrency: int, rollouts: int, score_ms: float = 0.0, pool: str = "thread") -> dict:
+    """Rollouts/s of the real RunLoop, and the event loop thread's CPU per rollout."""
     from orchestrator.loop import RunLoop
 
     with tempfile.TemporaryDirectory(prefix="inflight-bench-") as tmp:
-        run = BenchRun(Path(tmp), concurrency, rollouts, score_ms)
+        run = BenchRun(Path(tmp), concurrency, rollouts, score_ms, pool=pool)
         loop = RunLoop(run)
         run.loop = loop
-        started = time.perf_counter()
-        with anyio.fail_after(600):
-            await loop.main(run.scheduler.start())
-        elapsed = time.perf_counter() - started
+        await run.scorer.start()
+        try:
+            started, cpu = time.perf_counter(), time.thread_time()
+            with anyio.fail_after(600):
+                await loop.main(run.scheduler.start())
+            elapsed, cpu = time.perf_counter() - started, time.thread_time() - cpu
+        finally:
+            await run.scorer.aclose()
         consumed = run.scheduler.done_steps * run.scheduler.batch_size
         await run.recorder.flush()
         run.recorder.close()
         run.journal.close()
         return {"rollouts": consumed, "seconds": elapsed, "rollouts_per_s": consumed / elapsed,
-                "records": run.recorder.written}
+                "records": run.recorder.written, "loop_cpu_us_per_rollout": 1e6 * cpu / consumed}
 
 
 async def bare_rate(concurrency: int, rollouts: int) -> dict:
@@ -264,16 +294,73 @@ async def run_bench(args: argparse.Namespace) -> dict:
     if 64 in rates and 8192 in rates:
         result["scale_ratio_8192_vs_64"] = rates[8192] / rates[64]
     result.update(await score_overhead(args.rollouts))
+    if args.soak_steps:
+        result.update(await soak(args.soak_steps, max(1, args.soak_steps // 10)))
     return result
 
 
+def rss_bytes() -> int:
+    """This process's resident memory (Linux /proc)."""
+    import os
+
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+async def soak(steps: int = 2000, warmup: int = 200, concurrency: int = 16, tokens: int = 16) -> dict:
+    """The real RunLoop for `steps` trainer steps on the zero-latency fake engine and the instant
+    fake trainer; resident memory after `warmup` steps and at the end. Nothing the loop holds per
+    rollout outlives its consumption, so the ratio stays near 1 (goal <= 1.1): what still grows
+    is the live statistics' columns (a few numbers per rollout, what /stats answers from)."""
+    import gc
+
+    from orchestrator.loop import RunLoop
+
+    marks: dict[int, int] = {}
+    with tempfile.TemporaryDirectory(prefix="inflight-soak-") as tmp:
+        run = BenchRun(Path(tmp), concurrency, concurrency * steps, tokens=tokens)
+        run.scheduler.max_steps = run.max_steps = steps
+        loop = RunLoop(run)
+        run.loop = loop
+
+        def measure(line) -> None:
+            if line.step in (warmup, steps):
+                gc.collect()
+                marks[line.step] = rss_bytes()
+
+        run.progress.step = measure
+        started = time.perf_counter()
+        with anyio.fail_after(3600):
+            await loop.main(run.scheduler.start())
+        elapsed = time.perf_counter() - started
+        await run.recorder.flush()
+        run.recorder.close()
+        run.journal.close()
+        held = len(loop.inflight), len(loop.prompts)
+    return {"soak_steps": steps, "soak_rollouts": steps * run.scheduler.batch_size, "soak_seconds": elapsed,
+            "rss_after_warmup_mb": marks[warmup] / 2**20, "rss_end_mb": marks[steps] / 2**20,
+            "rss_growth_ratio": marks[steps] / marks[warmup], "inflight_records_held_at_end": held[0],
+            "prompts_held_at_end": held[1]}
+
+
 async def score_overhead(rollouts: int, concurrency: int = 64, score_ms: float = 1.0) -> dict:
-    """Rollouts/s with a `score_ms` Python reward function against with none, in the same run:
-    scoring runs in worker threads, off the event loop (goal >= 0.9)."""
-    none = await orchestrator_rate(concurrency, rollouts, 0.0)
-    scored = await orchestrator_rate(concurrency, rollouts, score_ms)
-    return {"score_ms": score_ms, "orchestrator_unscored": none, "orchestrator_scored": scored,
-            "score_overhead_ratio": scored["rollouts_per_s"] / none["rollouts_per_s"]}
+    """Rollouts/s with a `score_ms` Python reward function against with none (scored on the
+    loop, free), in the same run: `score_overhead_ratio` with the process pool (the default,
+    goal >= 0.9), `score_overhead_ratio_thread` with threads, `score_ipc_ratio` the process pool
+    with a free function (its hop alone). Every scored run also needs `score_ms` of CPU per
+    rollout besides the loop's: with few cores that, not the hop, is the limit."""
+    import os
+
+    none = await orchestrator_rate(concurrency, rollouts, 0.0, pool="inline")
+    ipc = await orchestrator_rate(concurrency, rollouts, 0.0, pool="process")
+    scored = await orchestrator_rate(concurrency, rollouts, score_ms, pool="process")
+    thread = await orchestrator_rate(concurrency, rollouts, score_ms, pool="thread")
+    rate = none["rollouts_per_s"]
+    return {"score_ms": score_ms, "cpus": os.cpu_count(), "orchestrator_unscored": none,
+            "orchestrator_process_free_score": ipc, "orchestrator_scored": scored,
+            "orchestrator_scored_thread": thread, "score_ipc_ratio": ipc["rollouts_per_s"] / rate,
+            "score_overhead_ratio": scored["rollouts_per_s"] / rate,
+            "score_overhead_ratio_thread": thread["rollouts_per_s"] / rate}
 
 
 def bench_command(args: argparse.Namespace) -> int:

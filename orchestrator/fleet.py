@@ -21,6 +21,7 @@ from __future__ import annotations
 import itertools
 import json
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -52,14 +53,17 @@ class Fleet(RolloutStreams):
     def __init__(self, engines: Sequence[Engine], *, strategy: act.Strategy = "pause_swap",
                  kv_policy: act.KvPolicy = "recompute", timeouts: act.PhaseTimeouts | None = None,
                  fleet_timeouts: FleetTimeouts | None = None, live_version: int = 0,
-                 max_redispatch: int = 3) -> None:
+                 max_redispatch: int = 3, on_outcome=None) -> None:
         self.engines = {e.engine_id: e for e in engines}
         self.coordinator = act.ActivationCoordinator(list(self.engines), strategy=strategy, kv_policy=kv_policy,
                                                      timeouts=timeouts, live_version=live_version)
         self.ft = fleet_timeouts or FleetTimeouts()
         self.tracks: dict[str, Track] = {}
-        self.completions: list[FleetCompletion] = []  # every terminal outcome, in order
-        self.records: list[act.Record] = []
+        # Called with every terminal outcome of `generate` (redispatched attempts included), in order;
+        # nothing is kept here: a long run's memory stays flat (the replay log is the record).
+        self.on_outcome = on_outcome
+        # The newest activation records (each is also returned and written to the replay log).
+        self.records: deque[act.Record] = deque(maxlen=64)
         self.max_redispatch = max_redispatch
         # Activation and rejoin both pause and resume engines: one at a time (issue: a rejoin
         # could resume an engine that an activation had paused mid-reload).

@@ -15,6 +15,7 @@ second SIGINT exits 130 at once.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 import os
 import signal
 import time
@@ -33,16 +34,26 @@ from orchestrator.trainer.link import Batch, Failed, Sample, StepDone
 log = get_logger(__name__)
 
 
+@dataclass
+class InFlight:
+    """One rollout, from its dispatch until it is settled (consumed or discarded) or ends without
+    a sample: everything the loop holds for it, dropped in one place (`RunLoop._forget`)."""
+
+    dispatch: sch.Dispatch | None  # None: restored from a crashed run's log
+    dispatched_at: float
+    ctx: RolloutContext | None = None  # ids, prompt tokens, engine: built when it is journalled
+    completion: object | None = None  # its FleetCompletion, once generation ended
+    rewards: dict[str, float] | None = None  # its scores, once completed and scored
+    record: object | None = None  # its completed RolloutRecord: the trainer's sample comes from its blobs
+
+
 class RunLoop:
     """The running part of a run; `orchestrator.run.Run` sets it up and tears it down."""
 
     def __init__(self, run) -> None:
         self.run = run  # orchestrator.run.Run: config, fleet, scheduler, recorder, trainer, task, ...
-        self.contexts: dict[int, RolloutContext] = {}
-        self.completions: dict[int, object] = {}  # rollout id -> FleetCompletion (completed, not yet settled)
-        self.rewards: dict[int, dict[str, float]] = {}
-        self.records: dict[int, object] = {}  # rollout id -> its completed RolloutRecord, until settled
-        self.prompts: dict[int, object] = {}
+        self.inflight: dict[int, InFlight] = {}  # rollout id -> its one record while the loop holds it
+        self.prompts: dict[int, object] = {}  # group id -> its prompt, while the scheduler holds the group
         self.batch: tuple[int, tuple[int, ...], float] | None = None
         self.stop_requested = anyio.Event()
         self.stop_reason = ""
@@ -52,7 +63,6 @@ class RunLoop:
         self._tg = None
         self._rollout_scope: anyio.CancelScope | None = None
         self._pending_dispatch: list[sch.Dispatch] = []
-        self.dispatched_at: dict[int, tuple[sch.Dispatch, float]] = {}
         self._dispatch_wakeup = anyio.Event()
         # Held by an activation and by a held-out evaluation: no version goes live mid-evaluation.
         self.activation_lock = anyio.Lock()
@@ -64,14 +74,13 @@ class RunLoop:
         from orchestrator.rollouts import FleetCompletion
 
         for rid, r in records.items():
-            tokens = r.completion_tokens().tolist()
-            self.contexts[rid] = RolloutContext(rid, r.group_id, r.prompt_id, tuple(r.prompt_tokens().tolist()),
-                                                r.timings.dispatched_at, r.dispatched_version, r.engine_id)
-            self.completions[rid] = FleetCompletion(
-                str(rid), r.engine_id, list(self.contexts[rid].prompt_token_ids), tokens, r.logprobs().tolist(),
-                r.change_points(), r.dispatched_version, r.kv_carried_across_versions, "completed")
-            self.rewards[rid] = dict(r.rewards)
-            self.records[rid] = r
+            ctx = RolloutContext(rid, r.group_id, r.prompt_id, tuple(r.prompt_tokens().tolist()),
+                                 r.timings.dispatched_at, r.dispatched_version, r.engine_id)
+            completion = FleetCompletion(
+                str(rid), r.engine_id, list(ctx.prompt_token_ids), r.completion_tokens().tolist(),
+                r.logprobs().tolist(), r.change_points(), r.dispatched_version, r.kv_carried_across_versions,
+                "completed")
+            self.inflight[rid] = InFlight(None, r.timings.dispatched_at, ctx, completion, dict(r.rewards), r)
 
     # -- the task group ----------------------------------------------------------------------
     async def main(self, restored_actions: list) -> None:
@@ -110,7 +119,7 @@ class RunLoop:
     def perform(self, actions: list) -> None:
         for a in actions:
             if isinstance(a, sch.Dispatch):
-                self.dispatched_at[a.rollout_id] = (a, time.time())
+                self.inflight[a.rollout_id] = InFlight(a, time.time())
                 self._pending_dispatch.append(a)
                 self._dispatch_wakeup.set()
             elif isinstance(a, sch.Terminal):
@@ -161,13 +170,13 @@ class RunLoop:
                 await self._rollout(d)
 
     async def _context(self, rollout_id: int) -> RolloutContext:
-        ctx = self.contexts.get(rollout_id)
-        if ctx is None:
-            d, at = self.dispatched_at[rollout_id]
+        entry = self.inflight[rollout_id]
+        if entry.ctx is None:
+            d = entry.dispatch
             prompt = await self._prompt(d.group_id)
-            ctx = self.contexts[rollout_id] = RolloutContext(
-                rollout_id, d.group_id, prompt.prompt_id, tuple(prompt.token_ids), at, d.version, d.engine)
-        return ctx
+            entry.ctx = RolloutContext(rollout_id, d.group_id, prompt.prompt_id, tuple(prompt.token_ids),
+                                       entry.dispatched_at, d.version, d.engine)
+        return entry.ctx
 
     async def _prompt(self, group_id: int):
         prompt = self.prompts.get(group_id)
@@ -178,7 +187,8 @@ class RunLoop:
     async def _rollout(self, d: sch.Dispatch) -> None:
         from orchestrator.errors import ActivationError, EngineError
 
-        ctx = self.contexts[d.rollout_id]
+        entry = self.inflight[d.rollout_id]
+        ctx = entry.ctx
         completion = None
         try:
             if self.run.scheduler.rollouts.get(d.rollout_id) is None:
@@ -200,7 +210,7 @@ class RunLoop:
                     log.warning("task.score_failed", rollout=d.rollout_id, kind=exc.kind, error=exc.message)
                     self._finished(d, completion, "errored", exc.kind, exc.message)
                     return
-                self.rewards[d.rollout_id] = rewards
+                entry.rewards = rewards
                 self._finished(d, completion, "completed")
             elif completion.status == "dropped":
                 self._finished(d, completion, "aborted", message=completion.message)
@@ -230,29 +240,34 @@ class RunLoop:
         if d.rollout_id not in self.run.scheduler.rollouts:
             return
         if completion is not None:
-            self.completions[d.rollout_id] = completion
+            self.inflight[d.rollout_id].completion = completion
         self.handle(sch.Finished(rollout_id=d.rollout_id, outcome=outcome, kind=kind, message=message))
 
     def _write_terminal(self, t: sch.Terminal) -> None:
-        ctx = self.contexts[t.rollout_id]  # every rollout that can end has one (see _shutdown)
-        rewards = self.rewards.get(t.rollout_id) if t.status == "completed" else None
-        record = build_rollout_record(ctx, t, self.completions.get(t.rollout_id), rewards,
+        entry = self.inflight[t.rollout_id]  # every rollout that can end has its context (see _shutdown)
+        rewards = entry.rewards if t.status == "completed" else None
+        record = build_rollout_record(entry.ctx, t, entry.completion, rewards,
                                       identity=self.run.identity, sampling=self.run.sampling)
         self.run.recorder.submit(record)
         if t.status == "completed":
-            self.records[t.rollout_id] = record  # its packed blobs become the trainer's sample
+            entry.record = record  # its packed blobs become the trainer's sample
+            entry.completion = _settled(entry.completion)
         else:
             self._forget(t.rollout_id)
 
     def _forget(self, rollout_id: int) -> None:
-        self.records.pop(rollout_id, None)
+        """The one place a rollout's in-flight record is dropped; its group's prompt goes with the
+        group's last rollout (the scheduler no longer holds the group)."""
+        self.inflight.pop(rollout_id, None)
         group = rollout_id // sch.ROLLOUT_ID_STRIDE
         if group not in self.run.scheduler.groups:
             self.prompts.pop(group, None)
-        self.dispatched_at.pop(rollout_id, None)
-        self.completions.pop(rollout_id, None)
-        self.rewards.pop(rollout_id, None)
-        self.contexts.pop(rollout_id, None)
+
+    def _forget_ended_groups(self) -> None:
+        """Prompts of groups the scheduler let go (consumed, dropped with no sample left)."""
+        groups = self.run.scheduler.groups
+        for group in [g for g in self.prompts if g not in groups]:
+            del self.prompts[group]
 
     def _discard(self, a: sch.Discard) -> None:
         from replay.records import DiscardRecord
@@ -261,10 +276,11 @@ class RunLoop:
                                                at=time.time()))
         for rid in a.rollout_ids:
             self._forget(rid)
+        self._forget_ended_groups()
 
     # -- the trainer ---------------------------------------------------------------------------
     def _sample(self, rid: int) -> Sample:
-        r = self.records[rid]
+        r = self.inflight[rid].record
         return Sample(rollout_id=rid, group_id=r.group_id, prompt_token_ids=r.prompt_token_ids,
                       completion_token_ids=r.completion_token_ids, logprobs=r.completion_logprobs,
                       reward=float(r.rewards["reward"]), dispatched_version=r.dispatched_version)
@@ -316,17 +332,18 @@ class RunLoop:
         log.info("trainer.step_done", step=m.step, version=m.version, reward=m.reward_mean, loss=m.loss)
         staleness, in_flight = [], []
         for rid in rollout_ids:
-            c = self.completions[rid]
+            c = self.inflight[rid].completion
             staleness.append((m.step - 1) - c.dispatched_version)
             changes = c.changes or [(0, c.dispatched_version)]
             in_flight.append(changes[-1][1] - changes[0][1])
-        components = reward_components([self.rewards.get(rid) for rid in rollout_ids])
+        components = reward_components([self.inflight[rid].rewards for rid in rollout_ids])
         self.run.recorder.submit(consumption_record(m, components))
         self.run.metrics.on_step(m.step, staleness, in_flight, m.reward_mean, components)
         self.run.tensorboard_step(m, staleness, components)
         for rid in rollout_ids:
             self._forget(rid)
         self.handle(sch.StepDone(step=m.step, version=m.version))
+        self._forget_ended_groups()
         self.run.progress.step(StepLine(m.step, m.reward_mean, float(np.mean(staleness)), int(max(staleness)),
                                         self.run.metrics.tokens_per_second, self.run.fleet.live_version,
                                         m.loss, time.monotonic() - started))
@@ -445,6 +462,15 @@ class RunLoop:
         if self.batch is not None:
             self.handle(sch.TrainerLost(step=self.batch[0]))
             self.batch = None
+
+
+def _settled(completion):
+    """What the loop keeps of a completed rollout's FleetCompletion once its record holds the
+    tokens and logprobs (the record's blobs become the trainer's sample): the versions only."""
+    if completion is None:
+        return None
+    completion.token_ids, completion.logprobs, completion.prompt_token_ids = [], [], []
+    return completion
 
 
 def _fmt(value: float | None) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 
@@ -23,7 +24,12 @@ class StepLine:
 @dataclass
 class ProgressState:
     max_steps: int
-    steps: list[StepLine] = field(default_factory=list)
+    # The newest steps only (the display and the summary's curve show the last 72): a long run's
+    # memory stays flat. What the summary needs of older steps is kept as it goes.
+    steps: deque[StepLine] = field(default_factory=lambda: deque(maxlen=256))
+    steps_done: int = 0
+    first_reward: float | None = None
+    best_reward: float | None = None
     last_activation: str = "none yet"
     last_eval: str = ""
     live_version: int = 0
@@ -74,7 +80,13 @@ class Progress:
             self._live = None
 
     def step(self, line: StepLine) -> None:
-        self.state.steps.append(line)
+        s = self.state
+        s.steps.append(line)
+        s.steps_done += 1
+        if line.reward is not None:
+            if s.first_reward is None:
+                s.first_reward = line.reward
+            s.best_reward = line.reward if s.best_reward is None else max(s.best_reward, line.reward)
         if self.mode == "plain":
             print(f"step {line.step}/{self.state.max_steps}  reward {_fmt(line.reward)}  "
                   f"staleness mean {_fmt(line.staleness_mean, '.2f')} max {_fmt(line.staleness_max, 'd')}  "
@@ -104,22 +116,22 @@ class Progress:
                                    f"max {_fmt(last.staleness_max if last else None, 'd')}",
                       "in flight", str(s.inflight))
         table.add_row("tokens/s", f"{last.tokens_per_s:.0f}" if last else "-", "last activation", s.last_activation)
-        table.add_row("reward curve", sparkline([x.reward or 0.0 for x in s.steps][-60:]),
+        table.add_row("reward curve", sparkline([x.reward or 0.0 for x in list(s.steps)[-60:]]),
                       "last eval" if s.last_eval else "", s.last_eval)
         return Panel(table, title="inflight run", expand=False)
 
 
 def summary(state: ProgressState, stats: dict, run_dir: str, http_url: str | None) -> str:
     """The one-screen summary printed when the run ends."""
-    rewards = [x.reward for x in state.steps if x.reward is not None]
+    rewards = [x.reward for x in state.steps if x.reward is not None]  # the newest ones
     staleness = stats.get("staleness", {})
     acts = stats.get("activations", {})
     pause = (acts.get("pause_s") or {})
     counts = stats.get("rollouts", {})
     lines = [
-        f"inflight run: {len(state.steps)} steps in {time.monotonic() - state.started:.0f}s  ({run_dir})",
-        f"  reward      first {_fmt(rewards[0] if rewards else None)}  last {_fmt(rewards[-1] if rewards else None)}"
-        f"  best {_fmt(max(rewards) if rewards else None)}",
+        f"inflight run: {state.steps_done} steps in {time.monotonic() - state.started:.0f}s  ({run_dir})",
+        f"  reward      first {_fmt(state.first_reward)}  last {_fmt(rewards[-1] if rewards else None)}"
+        f"  best {_fmt(state.best_reward)}",
         f"  curve       {sparkline(rewards[-72:])}",
         f"  staleness   mean {_fmt(staleness.get('mean'), '.2f')}  max {staleness.get('max', '-')}"
         f"  histogram {staleness.get('histogram', {})}",

@@ -267,7 +267,8 @@ class RolloutStreams:
                                      track.dispatched_version, carried, status, reason, finish,
                                      dispatched_at=track.started_at, first_token_at=track.first_token_at,
                                      finished_at=time.time(), message=message)
-        self.completions.append(completion)
+        if self.on_outcome is not None:
+            self.on_outcome(completion)
         return completion
 
     def _cache_salt(self, engine_id: str, rid: str, track: Track) -> str:

@@ -10,6 +10,7 @@ rule of `replay.query.ledger`.
 from __future__ import annotations
 
 import math
+from array import array
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
@@ -120,13 +121,15 @@ class ColumnBuilder:
         self._seg_tokens: list[int] = []
         self._chunks: list[dict[str, np.ndarray]] = []
         self._rows = 0
-        self._consumed: list[int] = []
-        self._discarded: list[int] = []
+        # Decisions per row, assigned in place when a claim comes: compact typed arrays (a live
+        # run's statistics hold a row per rollout for the whole run: a few bytes each, not objects).
+        self._consumed = array("q")
+        self._discarded = array("i")
         self._act_version: list[int] = []
         self._act_outcome: list[int] = []
         self._entry: dict[str, list[Any]] = {name: [] for name in (
             "activation", "engine", "transfer_s", "pause_s")}
-        self._row_of: dict[int, int] = {}
+        self._row_of = _RowIndex()
         self._ledger = Ledger()
         self._evals: list[EvalRecord] = []
         self._step_components: dict[int, dict[str, float]] = {}
@@ -191,7 +194,9 @@ class ColumnBuilder:
         else:  # nothing pending: its own consumed_step is the only claim so far
             own = rec.consumed_step
             self._consumed.append(NOT_CONSUMED if own is None else own)
-        self._row_of[rec.rollout_id] = row
+        self._row_of.add(rec.rollout_id, row)
+        if len(self._rollout["rollout_id"]) >= _FLUSH_ROWS:
+            self._flush()
 
     def add_claims(self, rec: ConsumptionRecord | DiscardRecord) -> None:
         """A consumption or discard record: the first claim on each rollout wins."""
@@ -274,7 +279,7 @@ class ColumnBuilder:
             consumed = own
         self._consumed.extend(consumed)
         self._discarded.extend(discarded)
-        self._row_of.update(zip(ids, range(row0, row0 + n)))
+        self._row_of.extend(chunk["rollout_id"], row0)
         self._rows += n
 
     def _flush(self) -> None:
@@ -304,8 +309,8 @@ class ColumnBuilder:
 
         return Columns(
             **{name: column(name, dtype) for name, dtype in names.items()},
-            consumed=np.array(self._consumed, np.int64),
-            discarded=np.array(self._discarded, np.int32),
+            consumed=np.frombuffer(self._consumed, np.int64).copy() if self._consumed else np.zeros(0, np.int64),
+            discarded=np.frombuffer(self._discarded, np.int32).copy() if self._discarded else np.zeros(0, np.int32),
             act_version=np.array(self._act_version, np.int64),
             act_outcome=np.array(self._act_outcome, np.int32),
             entry_activation=np.array(e["activation"], np.int64),
@@ -323,6 +328,47 @@ class ColumnBuilder:
             evals=list(self._evals),
             step_components=dict(self._step_components),
         )
+
+
+_FLUSH_ROWS: Final = 4096  # rows added one by one wait in lists (objects) at most this long
+
+
+class _RowIndex:
+    """rollout id -> row, for claims that come after their rollout: a sorted numpy index with a
+    small dict of the newest rows in front (a dict of every rollout cost ~100 bytes each, and a
+    live run keeps this for the whole run). A rollout id seen twice maps to its last row."""
+
+    _MERGE: Final = 8192
+
+    def __init__(self) -> None:
+        self._recent: dict[int, int] = {}
+        self._ids = np.zeros(0, np.int64)
+        self._rows = np.zeros(0, np.int64)
+
+    def add(self, rollout_id: int, row: int) -> None:
+        self._recent[rollout_id] = row
+        if len(self._recent) >= self._MERGE:
+            self._merge()
+
+    def extend(self, rollout_ids: np.ndarray, first_row: int) -> None:
+        for offset, rollout_id in enumerate(rollout_ids.tolist()):
+            self._recent[rollout_id] = first_row + offset
+        if len(self._recent) >= self._MERGE:
+            self._merge()
+
+    def get(self, rollout_id: int) -> int | None:
+        row = self._recent.get(rollout_id)
+        if row is not None or not len(self._ids):
+            return row
+        i = int(np.searchsorted(self._ids, rollout_id, side="right")) - 1
+        return int(self._rows[i]) if i >= 0 and self._ids[i] == rollout_id else None
+
+    def _merge(self) -> None:
+        ids = np.concatenate([self._ids, np.fromiter(self._recent.keys(), np.int64, len(self._recent))])
+        rows = np.concatenate([self._rows, np.fromiter(self._recent.values(), np.int64, len(self._recent))])
+        order = np.argsort(ids, kind="stable")  # equal ids keep their order: the last row is rightmost
+        self._ids, self._rows = ids[order], rows[order]
+        self._recent.clear()
 
 
 def _recode(codes: np.ndarray, names: list[str], vocabulary: _Vocabulary) -> np.ndarray:

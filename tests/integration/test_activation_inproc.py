@@ -46,7 +46,9 @@ async def engine(tiny_model_dir):
 
 
 async def activate_under_load(engine, world, strategy, kv_policy, **kw):
-    fleet = Fleet([engine], strategy=strategy, kv_policy=kv_policy, live_version=world["live"], **kw)
+    fleet = Fleet([engine], strategy=strategy, kv_policy=kv_policy, live_version=world["live"],
+                  on_outcome=world.setdefault("outcomes", []).append, **kw)
+    world["outcomes"].clear()
     await fleet.setup(world["pub"].plan_json, world["pub"].root)
     v = new_version(world)
     completions, record = await under_load(fleet, lambda: fleet.activate(v), n=3)
@@ -100,16 +102,17 @@ async def test_drain_finishes_in_flight_on_the_old_weights(engine, world):
 async def test_abort_drops_and_redispatches(engine, world):
     fleet, v, completions, record = await activate_under_load(engine, world, "pause_swap", "abort")
     assert record.outcome == act.ACTIVATED
-    dropped = [c for c in fleet.completions if c.status == "dropped"]
+    outcomes = world["outcomes"]  # every terminal outcome the fleet saw, redispatched attempts included
+    dropped = [c for c in outcomes if c.status == "dropped"]
     assert dropped and all(c.reason == "aborted" for c in dropped)
     assert all(c.status == "completed" for c in completions)
     assert any(c.attempts > 1 for c in completions)  # dispatched again after the abort
     refs = world["refs"]
-    for c in fleet.completions:
+    for c in outcomes:
         assert len(c.change_points()) <= 1  # aborted ones end on the old version, retries start on v
         if c.token_ids:
             assert max_err(c.logprobs, refs.recompute(c.prompt_token_ids, c.token_ids, c.versions)) < TOL
-    assert len({c.request_id for c in fleet.completions}) == len(fleet.completions)
+    assert len({c.request_id for c in outcomes}) == len(outcomes)
 
 
 def make_adapter(directory, base, rank: int = 4, alpha: float = 8.0, seed: int = 7):

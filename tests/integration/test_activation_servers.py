@@ -67,7 +67,9 @@ async def servers(tiny_model_dir, engine_log_dir):
 
 async def make_fleet(engines, world, strategy="pause_swap", kv_policy="recompute", **kw) -> Fleet:
     live = world.get("live", 0)
-    fleet = Fleet(engines, strategy=strategy, kv_policy=kv_policy, live_version=live, **kw)
+    world["outcomes"] = []
+    fleet = Fleet(engines, strategy=strategy, kv_policy=kv_policy, live_version=live,
+                  on_outcome=world["outcomes"].append, **kw)
     await fleet.setup(world["pub"].plan_json, world["pub"].root)
     return fleet
 
@@ -213,7 +215,8 @@ async def test_engine_killed_during_the_pause_is_fenced(servers, world):
     assert fleet.live_version == v and fleet.coordinator.fenced == {"act-1"}
     assert fleet.coordinator.serving == ("act-0",)
     # every rollout has exactly one terminal outcome
-    assert len({c.request_id for c in fleet.completions}) == len(fleet.completions) == len(completions)
+    outcomes = world["outcomes"]
+    assert len({c.request_id for c in outcomes}) == len(outcomes) == len(completions)
     assert not fleet.tracks
     assert any(c.engine_id == "act-1" and c.status == "errored" for c in completions)
     for c in completions:

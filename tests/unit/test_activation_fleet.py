@@ -151,7 +151,8 @@ async def test_hanging_resume_is_bounded_and_fences():
 
 async def test_in_flight_rollouts_on_a_fenced_engine_end_errored_once():
     engines = [ScriptedEngine("a"), ScriptedEngine("b", fail=("swap_apply",))]
-    fleet = Fleet(engines)
+    outcomes: list = []
+    fleet = Fleet(engines, on_outcome=outcomes.append)
     results = []
 
     async def rollout(engine_id):
@@ -166,7 +167,7 @@ async def test_in_flight_rollouts_on_a_fenced_engine_end_errored_once():
     by_engine = {c.engine_id: c for c in results}
     assert by_engine["b"].status == "errored" and by_engine["b"].reason == "engine_fenced"
     assert by_engine["a"].status == "completed"
-    assert len(fleet.completions) == 2
+    assert len(outcomes) == 2
 
 
 def test_request_ids_and_version_correction():
@@ -298,11 +299,12 @@ async def test_a_cancelled_rollout_aborts_its_request_and_records_nothing_itself
         async def abort(self, request_id):
             aborted.append(request_id)
 
-    fleet = Fleet([Recording("a")])
+    outcomes: list = []
+    fleet = Fleet([Recording("a")], on_outcome=outcomes.append)
     with anyio.move_on_after(0.05):
         await fleet.generate([1], SamplingSettings(max_tokens=400), request_id="r-cancel")
     assert aborted == ["r-cancel"]
-    assert not fleet.tracks and not fleet.completions
+    assert not fleet.tracks and not outcomes  # a cancelled rollout has no outcome here: its caller records it
 
 
 async def test_aborts_wait_for_a_paused_engine_to_resume():
