@@ -72,6 +72,7 @@ class Fleet(RolloutStreams):
         self._deferred_aborts: dict[str, set[str]] = {}  # engine -> request ids, sent after resume
         self._rr = itertools.count()
         self._gates: dict[str, anyio.Event] = {}  # engines not admitting new requests (drain)
+        self._gate_waiters: dict[str, anyio.CancelScope] = {}  # request id -> its wait at a gate
         self._paused: set[str] = set()
         self._stage_source: dict = {}
         self.last_stall: dict[str, float] = {}

@@ -67,6 +67,8 @@ class RunLoop:
         # Held by an activation and by a held-out evaluation: no version goes live mid-evaluation.
         self.activation_lock = anyio.Lock()
         self._eval_wanted = anyio.Event()
+        self.lost_batches: list[sch.Discard] = []  # batches of a lost trainer, settled at teardown
+        self.aborting: set[int] = set()  # rollouts the scheduler asked to abort, until they end
 
     def restore_completed(self, records: dict) -> None:
         """Completed, unconsumed rollouts of a crashed run (resume.py): their groups are
@@ -127,6 +129,9 @@ class RunLoop:
             elif isinstance(a, sch.Discard):
                 self._discard(a)
             elif isinstance(a, sch.Abort):
+                # Queued rollouts (not started) end when their worker takes them; started ones
+                # (streaming, or waiting at a drain gate) are aborted in the fleet, one call per engine.
+                self.aborting.update(rid for rid in a.rollout_ids if rid in self.inflight)
                 ids = [request_id(rid) for rid in a.rollout_ids]
                 self._tg.start_soon(self.run.fleet.abort_many, ids)
             elif isinstance(a, sch.SubmitBatch):
@@ -193,6 +198,9 @@ class RunLoop:
         try:
             if self.run.scheduler.rollouts.get(d.rollout_id) is None:
                 return  # ended before it started (the run stopped): its record is written
+            if d.rollout_id in self.aborting:  # aborted while queued: no engine ever sees it
+                self._finished(d, None, "aborted", message="aborted before it was sent")
+                return
             try:
                 completion = await self.run.fleet.generate(
                     ctx.prompt_token_ids, self.run.sampling, engine_id=d.engine,
@@ -215,10 +223,12 @@ class RunLoop:
             elif completion.status == "dropped":
                 self._finished(d, completion, "aborted", message=completion.message)
             else:
+                if completion.reason == "engine_died":
+                    # Down first: the retry that the errored rollout's group gets must not go to it.
+                    self.handle(sch.EngineDown(engine=completion.engine_id))
                 self._finished(d, completion, "errored", completion.reason, completion.message)
                 if completion.reason == "engine_died":
                     await self.run.fleet.engine_died(completion.engine_id, completion.message)
-                    self.handle(sch.EngineDown(engine=completion.engine_id))
                     if not self.run.fleet.coordinator.serving:
                         self.request_stop("no engine serves", failure="every engine died or was fenced")
         except BaseException:
@@ -259,6 +269,7 @@ class RunLoop:
         """The one place a rollout's in-flight record is dropped; its group's prompt goes with the
         group's last rollout (the scheduler no longer holds the group)."""
         self.inflight.pop(rollout_id, None)
+        self.aborting.discard(rollout_id)
         group = rollout_id // sch.ROLLOUT_ID_STRIDE
         if group not in self.run.scheduler.groups:
             self.prompts.pop(group, None)
@@ -272,8 +283,14 @@ class RunLoop:
     def _discard(self, a: sch.Discard) -> None:
         from replay.records import DiscardRecord
 
-        self.run.recorder.submit(DiscardRecord(rollout_ids=list(a.rollout_ids), reason=a.reason, step=a.step,
-                                               at=time.time()))
+        if a.reason == sch.TRAINER_LOST:
+            # The lost trainer may have checkpointed this step before it went (then --resume
+            # recovers the step's consumption from the checkpoint): what the batch became is
+            # decided once the trainer process is gone (`settle_lost_batches`), never both.
+            self.lost_batches.append(a)
+        else:
+            self.run.recorder.submit(DiscardRecord(rollout_ids=list(a.rollout_ids), reason=a.reason, step=a.step,
+                                                   at=time.time()))
         for rid in a.rollout_ids:
             self._forget(rid)
         self._forget_ended_groups()
@@ -292,6 +309,9 @@ class RunLoop:
 
     async def _send_batch(self, batch: Batch) -> None:
         try:
+            # Exactly once: the trainer sees a sample only after its rollout record is durable (a
+            # crash between the two would otherwise leave a trained-on rollout with no record).
+            await self.run.recorder.flush()
             await self.run.trainer.link.send(batch)
         except Exception as exc:  # noqa: BLE001 - the trainer is gone or stuck: the run stops
             self._trainer_lost(f"sending step {batch.step} to the trainer failed: {exc}")
@@ -352,6 +372,23 @@ class RunLoop:
             self._version_wanted.set()
         if self.run.scheduler.done_steps >= self.run.max_steps:
             self.request_stop("done")
+
+    def settle_lost_batches(self) -> None:
+        """Once the trainer process is gone: each batch it held is consumed if the trainer
+        checkpointed that step (its own account, from the checkpoint), else discarded
+        (trainer_lost): a checkpoint can no longer appear, so the two never both happen."""
+        from orchestrator.trainer.checkpoint import consumption_of
+        from replay.records import DiscardRecord
+
+        for a in self.lost_batches:
+            message = consumption_of(self.run.run_dir, a.step) if a.step is not None else None
+            if message is not None and set(message.rollout_ids) == set(a.rollout_ids):
+                log.info("trainer.lost_step_checkpointed", step=a.step)
+                self.run.recorder.submit(consumption_record(message))
+            else:
+                self.run.recorder.submit(DiscardRecord(rollout_ids=list(a.rollout_ids), reason=a.reason,
+                                                       step=a.step, at=time.time()))
+        self.lost_batches.clear()
 
     # -- activation ----------------------------------------------------------------------------
     async def _activator(self) -> None:

@@ -150,7 +150,7 @@ def _compress(points: list[tuple[int, int]]) -> list[tuple[int, int]]:
 
 class RolloutStreams:
     """Mixed into `Fleet`: requires `engines`, `coordinator`, `ft`, `tracks`, `completions`,
-    `_gates`, `_paused`, `_deferred_aborts`, `_reports_due`, `_salt_unsettled`, `_salt_version`,
+    `_gates`, `_gate_waiters`, `_paused`, `_deferred_aborts`, `_reports_due`, `_salt_unsettled`, `_salt_version`,
     `_rr` and `live_version`."""
 
     def _pick(self, engine_id: str | None) -> str:
@@ -188,9 +188,20 @@ class RolloutStreams:
     async def _generate_once(self, prompt_token_ids, sampling, engine_id, request_id,
                              final_only: bool = False) -> FleetCompletion:
         target = self._pick(engine_id)
-        while target in self._gates:  # draining for an activation: wait for it to end
-            await self._gates[target].wait()
-            target = self._pick(engine_id)
+        if target in self._gates:  # draining for an activation: wait for it to end (an abort ends the wait)
+            with anyio.CancelScope() as waiting:
+                if request_id is not None:
+                    self._gate_waiters[request_id] = waiting
+                try:
+                    while target in self._gates:
+                        await self._gates[target].wait()
+                        target = self._pick(engine_id)
+                finally:
+                    self._gate_waiters.pop(request_id, None)
+            if waiting.cancel_called:  # aborted before any engine saw it
+                return FleetCompletion(request_id, target, list(prompt_token_ids), [], [], [], self.live_version,
+                                       False, "dropped", "aborted", None, finished_at=time.time(),
+                                       message="aborted while waiting for an activation (never sent)")
         engine = self.engines[target]
         rid = request_id or f"r{uuid.uuid4().hex[:16]}"
         track = Track(rid, target, self.live_version, time.time())
@@ -319,6 +330,8 @@ class RolloutStreams:
             track = self.tracks.get(rid)
             if track is not None:
                 by_engine.setdefault(track.engine, []).append(rid)
+            elif rid in self._gate_waiters:  # not sent yet: waiting at a drain gate
+                self._gate_waiters[rid].cancel()
         async with anyio.create_task_group() as tg:
             for engine_id, rids in by_engine.items():
                 if engine_id in self._paused:
@@ -328,15 +341,14 @@ class RolloutStreams:
 
     async def _abort_on(self, engine_id: str, request_ids: Sequence[str]) -> None:
         engine = self.engines[engine_id]
+        live = [rid for rid in request_ids if rid in self.tracks]
+        if not live:
+            return
         with anyio.move_on_after(self.ft.rpc_s):
-            for rid in request_ids:
-                if rid not in self.tracks:
-                    continue
-                try:
-                    await engine.abort(rid)
-                except EngineError as exc:
-                    log.warning("fleet.abort_failed", engine=engine_id, request=rid, error=str(exc))
-                    return
+            try:
+                await engine.abort_many(live)  # one call per engine
+            except EngineError as exc:
+                log.warning("fleet.abort_failed", engine=engine_id, requests=len(live), error=str(exc))
 
 
 def _error_kind(exc: Exception) -> str:

@@ -357,6 +357,8 @@ class Run:
         with anyio.CancelScope(shield=True):
             if getattr(self, "trainer", None) is not None:
                 await self.trainer.stop()
+            if getattr(self, "loop", None) is not None and getattr(self, "recorder", None) is not None:
+                self.loop.settle_lost_batches()  # the trainer is gone: its last step is what its checkpoint says
             async with anyio.create_task_group() as tg:
                 for engine in getattr(self, "engines", []):
                     tg.start_soon(_shutdown_engine, engine)

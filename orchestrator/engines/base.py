@@ -130,6 +130,11 @@ class Engine(abc.ABC):
     async def abort(self, request_id: str) -> None:
         """Abort one request; others continue."""
 
+    async def abort_many(self, request_ids: Sequence[str]) -> None:
+        """Abort these requests in one call where the engine allows it (both of ours do)."""
+        for request_id in request_ids:
+            await self.abort(request_id)
+
     @abc.abstractmethod
     async def pause(self, mode: PauseMode = "keep", clear_cache: bool = True) -> None:
         """Stop scheduling. `keep` holds in-flight requests, `wait` lets them finish first,

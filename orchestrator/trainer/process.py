@@ -32,6 +32,7 @@ import msgspec
 import torch
 
 from orchestrator.config import RunConfig, TrainerConfig
+from orchestrator.errors import ConfigError
 from orchestrator.logging import configure_logging, get_logger
 from orchestrator.trainer import checkpoint
 from orchestrator.trainer.link import (
@@ -58,6 +59,10 @@ log = get_logger("orchestrator.trainer")
 PARENT_POLL_S = 1.0
 # What rank 0 broadcasts when the orchestrator is gone (instead of a message or None: idle).
 ORPHANED = "orphaned"
+# Fault injection for the exactly-once tests: the trainer dies right after it checkpointed
+# (and published) this step, before its StepDone reaches the orchestrator.
+CRASH_AFTER_CHECKPOINT = "INFLIGHT_FAULT_TRAINER_EXIT_AFTER_STEP"
+CRASH_EXIT_CODE = 17
 # How long ranks that end together wait for each other before tearing the group down.
 LEAVE_TIMEOUT_S = 30.0
 
@@ -77,13 +82,13 @@ class Trainer:
         self.config = config
         self.tc = config.trainer
         self.ranks = ranks or Ranks()
-        self.device = torch.device("cpu")
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.device = trainer_device(self.tc, self.ranks)
+        # No attn_implementation: transformers picks its own (SDPA where the model supports it).
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, self.tc.dtype))
         self.model.eval()  # no dropout; the gradient does not depend on the mode
+        if self.device.type != "cpu":  # written, not yet run on a GPU
+            self.model.to(self.device)
         if self.ranks.sharded:
-            if torch.cuda.is_available():  # written, not yet run on a GPU
-                self.device = torch.device("cuda", self.ranks.local_rank)
-                self.model.to(self.device)
             shard(self.model, self.ranks, self.device)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=self.tc.lr, weight_decay=self.tc.weight_decay)
         pad = self.model.config.pad_token_id
@@ -114,7 +119,8 @@ class Trainer:
                 checkpoint.load(self.run_dir, step, self.model, self.optimizer)
             self.step, self.resumed = step, True
         self.publisher = Publisher(self.model, self.run_dir, self.config.transport, version=self.step,
-                                   bucket_bytes=self.tc.bucket_bytes, rank=self.ranks.rank, world=self.ranks.world)
+                                   bucket_bytes=self.tc.bucket_bytes, rank=self.ranks.rank, world=self.ranks.world,
+                                   dtype=published_dtype(self.config))
         if self.ranks.sharded:
             self._check_same_run()
         if self.ranks.rank == 0:
@@ -177,12 +183,14 @@ class Trainer:
                                         step=batch.step, temperature=temperature, device=self.device)
         else:
             result = train_step(self.model, self.optimizer, batch.samples, self.tc, self.pad_id, step=batch.step,
-                                temperature=temperature)
+                                temperature=temperature, device=self.device)
         self.step = batch.step
         metrics = dict(result.metrics, train_s=time.perf_counter() - started)
         version = None
         if self.step % self.tc.publish_every == 0:
             version = self._persist(result, metrics)
+        if os.environ.get(CRASH_AFTER_CHECKPOINT) == str(self.step):  # fault injection (tests only)
+            os._exit(CRASH_EXIT_CODE)
         seconds = time.perf_counter() - started
         log.info("trainer.step", step=self.step, version=version, loss=result.loss, reward_mean=result.reward_mean,
                  seconds=round(seconds, 4))
@@ -239,6 +247,27 @@ class Trainer:
     def close(self) -> None:
         if self.publisher is not None:
             self.publisher.close()
+
+
+def trainer_device(tc: TrainerConfig, ranks: Ranks) -> torch.device:
+    """`trainer.device` on this machine: "cuda" is cuda:LOCAL_RANK (0 alone), and needs a device."""
+    if tc.device == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError("trainer.device", "\"cuda\", but this machine has no CUDA device that torch can use "
+                                            "(torch.cuda.is_available() is false): set \"cpu\"")
+    return torch.device("cuda", ranks.local_rank)
+
+
+def published_dtype(config: RunConfig) -> torch.dtype | None:
+    """What the trainer publishes in. A float32 trainer publishes its own tensors, as ever
+    (None); one that holds another dtype publishes in the engine's dtype, so that an fp32 engine
+    still receives fp32 tensors (of the trainer's values) and a bf16 one bf16 ("auto": fp32,
+    the widest; the engine casts what it loads to its own)."""
+    if config.trainer.dtype == "float32":
+        return None
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+            "auto": torch.float32}[config.engine.dtype]
 
 
 def pin(tc: TrainerConfig) -> set[int]:
@@ -350,6 +379,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = msgspec.json.decode(args.config_json, type=RunConfig).validate()
         cpus = pin(config.trainer)
+        trainer_device(config.trainer, ranks)  # a "cuda" without a device fails here, naming trainer.device
         if ranks.sharded:
             init_group(ranks, config.trainer)
             grouped = True
