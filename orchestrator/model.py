@@ -26,6 +26,9 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Written into every directory build_model makes: its preset, seed and parameter count. A model
+# directory without it was made elsewhere and is used as it is (ensure_model).
+BUILT_MARKER = "inflight_model.json"
 
 
 class ModelPreset(msgspec.Struct, frozen=True):
@@ -155,7 +158,7 @@ def build_model(out_dir: str | os.PathLike, preset: str = "tiny", seed: int = 0)
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        (tmp / "inflight_model.json").write_text(
+        (tmp / BUILT_MARKER).write_text(
             json.dumps({"preset": preset, "seed": seed, "parameters": n_params}, indent=2) + "\n"
         )
         _make_readable(tmp)
@@ -193,28 +196,31 @@ def check_model_dir(path: str | os.PathLike) -> Path:
 
 
 def ensure_model(path: str | os.PathLike, preset: str = "tiny", seed: int = 0) -> Path:
-    """Build the model at path unless a complete one is already there (used by make run).
+    """The model directory at path, built from `preset` and `seed` only when path holds no model
+    (it does not exist, or has no config.json; `build_model` refuses a non-empty directory).
 
-    A directory built with another preset or seed is refused, not reused: a run that asked for
-    tiny-rl must never silently train a tiny model left behind by an earlier run.
+    A model directory from elsewhere (no inflight_model.json: any Hugging Face directory, e.g.
+    written by transformers' `save_pretrained`) is used as it is, after `check_model_dir`. A
+    directory built here with another preset or seed is refused, not reused: a run that asked
+    for tiny-rl must never silently train a tiny model left behind by an earlier run.
     """
     p = Path(path)
-    if (p / "config.json").is_file() and any(p.glob("*.safetensors")):
-        _check_built_as(p, preset, seed)
-        return p
+    if (p / "config.json").is_file():
+        if (p / BUILT_MARKER).exists():
+            _check_built_as(p, preset, seed)
+        return check_model_dir(p)
     build_model(p, preset=preset, seed=seed)
     return p
 
 
 def _check_built_as(path: Path, preset: str, seed: int) -> None:
-    meta_path = path / "inflight_model.json"
-    if not meta_path.is_file():
-        raise ModelError(path, f"no inflight_model.json: cannot tell whether it is preset {preset!r} seed {seed}; "
-                               "remove the directory or point to another one")
+    meta_path = path / BUILT_MARKER
     try:
         meta = json.loads(meta_path.read_text())
     except (OSError, ValueError) as exc:
-        raise ModelError(path, f"unreadable inflight_model.json: {exc}") from None
+        raise ModelError(path, f"unreadable {BUILT_MARKER}: {exc}") from None
+    if not isinstance(meta, dict):
+        raise ModelError(path, f"unreadable {BUILT_MARKER}: not a JSON object")
     built = (meta.get("preset"), meta.get("seed"))
     if built != (preset, seed):
         raise ModelError(path, f"built with preset {built[0]!r} seed {built[1]}, but preset {preset!r} seed {seed} "

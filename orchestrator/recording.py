@@ -180,26 +180,78 @@ class Recorder:
 def _sha256_file(path: Path) -> str | None:
     if not path.is_file():
         return None
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    digest = hashlib.sha256()
+    _update_from_file(digest, path)
+    return digest.hexdigest()
+
+
+def _update_from_file(digest, path: Path, chunk: int = 8 << 20) -> None:
+    # Streamed: a real model's weights do not fit in memory twice.
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+
+
+# Weight files in the order a loader prefers them: safetensors, else PyTorch pickles (a model
+# saved with safe_serialization=False); the engine and the trainer load the same kind.
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin")
+# Tokenizer files besides tokenizer.json, for a tokenizer without one (sentencepiece, BPE vocab).
+TOKENIZER_FILES = ("tokenizer.model", "vocab.json", "merges.txt", "tiktoken.model", "added_tokens.json")
+
+
+def weights_digest(model_dir: str | Path) -> str:
+    """sha256 over the names and bytes of a model directory's weight files (see WEIGHT_PATTERNS)."""
+    model = Path(model_dir)
+    digest = hashlib.sha256()
+    for pattern in WEIGHT_PATTERNS:
+        weights = sorted(model.glob(pattern))
+        if weights:
+            for path in weights:
+                digest.update(path.name.encode())
+                _update_from_file(digest, path)
+            break
+    return digest.hexdigest()
+
+
+def tokenizer_digest(model_dir: str | Path) -> str:
+    """sha256 of tokenizer.json; without one, of the other tokenizer files present; "" if none."""
+    model = Path(model_dir)
+    whole = _sha256_file(model / "tokenizer.json")
+    if whole is not None:
+        return whole
+    digest = hashlib.sha256()
+    found = False
+    for name in TOKENIZER_FILES:
+        if (model / name).is_file():
+            digest.update(name.encode())
+            _update_from_file(digest, model / name)
+            found = True
+    return digest.hexdigest() if found else ""
+
+
+def chat_template_of(model_dir: str | Path) -> str:
+    """The chat template transformers (and hence vLLM) loads for this directory: the file
+    chat_template.jinja (where transformers saves it since 4.43) wins over tokenizer_config.json's
+    `chat_template`, which may also be a list of named templates; "" when there is none."""
+    model = Path(model_dir)
+    jinja = model / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text()
+    config = model / "tokenizer_config.json"
+    if not config.is_file():
+        return ""
+    template = json.loads(config.read_text()).get("chat_template") or ""
+    return template if isinstance(template, str) else json.dumps(template, sort_keys=True)
 
 
 def policy_identity(model_dir: str | Path, serving_precision: str, logprobs_mode: str) -> PolicyIdentity:
     """What names the policy besides its version: the base checkpoint's weights, the tokenizer
     and chat template (hashes of the files the engine loaded), precision and logprobs mode."""
     model = Path(model_dir).resolve()
-    weights = sorted(model.glob("*.safetensors"))
-    digest = hashlib.sha256()
-    for path in weights:
-        digest.update(path.name.encode())
-        digest.update(path.read_bytes())
-    template = ""
-    config = model / "tokenizer_config.json"
-    if config.is_file():
-        template = json.loads(config.read_text()).get("chat_template") or ""
-    tokenizer = _sha256_file(model / "tokenizer.json") or ""
+    template = chat_template_of(model)
     return PolicyIdentity(
-        base_checkpoint=f"{model}@sha256:{digest.hexdigest()[:16]}",
-        tokenizer_hash=tokenizer[:16],
+        base_checkpoint=f"{model}@sha256:{weights_digest(model)[:16]}",
+        tokenizer_hash=tokenizer_digest(model)[:16],
         chat_template_hash=hashlib.sha256(template.encode()).hexdigest()[:16] if template else "",
         serving_precision=serving_precision,
         logprobs_mode=logprobs_mode,

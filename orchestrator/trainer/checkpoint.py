@@ -196,9 +196,12 @@ def load_full(run_dir: str | os.PathLike, step: int, model, optimizer, rank: int
     if rank == 0:
         model_state = load_file(str(path / MODEL_FILE))
         expected = set(model.state_dict())
+        twins = _tied_twins(model)
         for name in expected - set(model_state):
-            if _tied(model, name):
-                model_state[name] = model_state["model.embed_tokens.weight"]
+            if twins.get(name) in model_state:
+                # A tied embedding is stored under one of its two names: `save` (safetensors'
+                # save_model) keeps the head's, `save_full` the input embedding's.
+                model_state[name] = model_state[twins[name]]
         missing, unexpected = expected - set(model_state), set(model_state) - expected
         if missing or unexpected:
             raise CheckpointError(f"checkpoint {path}: weights do not fit the model "
@@ -226,6 +229,22 @@ def _by_name(model, state: dict) -> dict:
 def _tied(model, name: str) -> bool:
     # save_model drops the second name of a shared tensor; loading it back is fine.
     return bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False)) and name.endswith("lm_head.weight")
+
+
+def _tied_twins(model) -> dict[str, str]:
+    """{input embedding weight name: output head weight name} and back, when the model ties them
+    (found by module, so that it holds under FSDP2 too); {} otherwise."""
+    if not getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+        return {}
+    try:
+        inp, out = model.get_input_embeddings(), model.get_output_embeddings()
+    except (AttributeError, NotImplementedError):
+        return {}
+    names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    if inp is None or out is None or id(inp) not in names or id(out) not in names:
+        return {}
+    a, b = f"{names[id(inp)]}.weight", f"{names[id(out)]}.weight"
+    return {a: b, b: a}
 
 
 def _prune(run_dir: str | os.PathLike, keep: int) -> None:

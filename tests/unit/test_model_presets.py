@@ -1,5 +1,5 @@
-"""The tiny-rl preset (tiny's shapes, a narrow init) and ensure_model's refusal to reuse a
-directory built with another preset or seed."""
+"""The tiny-rl preset (tiny's shapes, a narrow init) and ensure_model: it refuses to reuse a
+directory built here with another preset or seed, and uses a directory made elsewhere as it is."""
 
 from __future__ import annotations
 
@@ -51,9 +51,31 @@ def test_ensure_model_reuses_only_a_directory_built_with_the_same_preset_and_see
     assert "tiny-rl" in str(info.value)
     with pytest.raises(ModelError, match="seed 1"):
         ensure_model(path, preset="tiny-rl", seed=2)
-    (path / "inflight_model.json").unlink()
-    with pytest.raises(ModelError, match="inflight_model.json"):
+    (path / "inflight_model.json").write_text("[not json")
+    with pytest.raises(ModelError, match="unreadable inflight_model.json"):
         ensure_model(path, preset="tiny-rl", seed=1)
+
+
+def test_ensure_model_uses_a_directory_made_elsewhere_as_it_is(tmp_path):
+    """No inflight_model.json: a Hugging Face directory from anywhere (here: the built model's
+    files without the marker) is used as it is, whatever the preset and seed asked for."""
+    path = tmp_path / "m"
+    build_model(path, preset="tiny", seed=3)
+    (path / "inflight_model.json").unlink()
+    before = {f.name: f.read_bytes() for f in path.iterdir()}
+    assert ensure_model(path, preset="tiny-rl", seed=0) == path
+    assert {f.name: f.read_bytes() for f in path.iterdir()} == before  # neither rebuilt nor marked
+    # Still checked: a config.json without weights is named, not rebuilt over.
+    (path / "model.safetensors").unlink()
+    with pytest.raises(ModelError, match="no weight files"):
+        ensure_model(path, preset="tiny-rl", seed=0)
+    # A directory that holds no model (no config.json) and is not empty is refused, not overwritten.
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "x.txt").write_text("keep me")
+    with pytest.raises(ModelError, match="not empty"):
+        ensure_model(other, preset="tiny", seed=0)
+    assert (other / "x.txt").read_text() == "keep me"
 
 
 def test_model_init_offers_every_preset(tmp_path, capsys):
