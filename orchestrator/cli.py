@@ -50,7 +50,6 @@ def _bench_end_to_end(names, model=None):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from orchestrator.errors import InflightError
     from orchestrator.logging import configure_logging
 
     parser = build_parser()
@@ -59,19 +58,64 @@ def main(argv: Sequence[str] | None = None) -> int:
     # vLLM logs every request and shutdown step at INFO; keep a user's terminal readable.
     if args.log_level.lower() != "debug":
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    # vLLM logs to stdout by default: stdout is the command's output (`--json` is piped into jq).
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     try:
         return int(args.func(args) or 0)
-    except InflightError as exc:
-        # Expected failures (bad input, an engine that died) get one readable line, no traceback.
-        print(f"inflight: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("inflight: interrupted", file=sys.stderr)
-        return 130
     except BrokenPipeError:
         # Output piped into `head` and friends: not an error. Silence the flush at exit.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except BaseException as exc:  # noqa: BLE001 - sorted by exit_code; a bug (or SystemExit) is re-raised
+        code = exit_code(exc, args.log_format)
+        if code is None:
+            raise
+        return code
+
+
+def expected_errors() -> tuple[type[BaseException], ...]:
+    """The failures a user can act on, reported as one line: ours, the replay log's and the
+    transports' (`replay` and `transports` keep their own error trees, see errors.py)."""
+    from orchestrator.errors import InflightError
+    from replay.errors import ReplayError
+    from transports.errors import TransportError
+
+    return InflightError, ReplayError, TransportError
+
+
+def leaves(exc: BaseException) -> list[BaseException]:
+    """The exceptions inside (nested) exception groups, in order; `exc` itself when it is not
+    a group. anyio task groups wrap whatever a task raised, a set-up error included."""
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for inner in exc.exceptions for leaf in leaves(inner)]
+    return [exc]
+
+
+def exit_code(exc: BaseException, log_format: str = "auto") -> int | None:
+    """130 for an interrupt, 2 (after reporting it) when every leaf is an expected error, None
+    for anything else: a bug, whose traceback the user should see."""
+    found = leaves(exc)
+    if any(isinstance(leaf, KeyboardInterrupt) for leaf in found):
+        print("inflight: interrupted", file=sys.stderr)
+        return 130
+    if found and all(isinstance(leaf, expected_errors()) for leaf in found):
+        report_error(found[0], log_format)
+        return 2
+    return None
+
+
+def report_error(exc: BaseException, log_format: str = "auto") -> None:
+    """Expected failures (bad input, an engine that died) get one readable line, no traceback;
+    with `--log-format json`, one JSON error event instead."""
+    if log_format == "json":
+        import json
+        from datetime import datetime, timezone
+
+        event = {"event": "error", "error": str(exc), "kind": type(exc).__name__, "level": "error",
+                 "timestamp": datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")}
+        print(json.dumps(event), file=sys.stderr)
+    else:
+        print(f"inflight: error: {exc}", file=sys.stderr)
 
 
 if __name__ == "__main__":

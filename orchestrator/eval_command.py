@@ -40,11 +40,13 @@ async def _main(args: argparse.Namespace) -> int:
     target = Path(args.target)
     config = _config(args, target)
     with tempfile.TemporaryDirectory(prefix="inflight-eval-") as tmp:
-        if (target / "config.json").is_file() and (target / "replay").is_dir():
+        is_run = (target / "config.json").is_file() and (target / "replay").is_dir()
+        if is_run:
             from orchestrator.export_model import export_model
 
             version = args.version if args.version == "latest" else _int(args.version)
-            exported = await anyio.to_thread.run_sync(lambda: export_model(target, version, Path(tmp) / "model"))
+            exported = await anyio.to_thread.run_sync(
+                lambda: export_model(target, version, out_dir=Path(tmp) / "model"))
             model_dir, version_number = str(exported.path), exported.version
         else:
             if args.version != "latest":
@@ -52,8 +54,10 @@ async def _main(args: argparse.Namespace) -> int:
             from orchestrator.model import check_model_dir
 
             model_dir, version_number = str(check_model_dir(target)), 0
-        record = await evaluate_model(config, model_dir, version_number, Path(tmp), config_path=args.config)
-    out = {"step": record.step, "version": record.version, "task": record.task, "k": record.k,
+        record = await evaluate_model(config, model_dir, version_number, Path(tmp), config_path=args.config,
+                                      run_dir=target if is_run else None)
+    # standalone, no trainer step is known: only the version
+    out = {"step": None, "version": record.version, "task": record.task, "k": record.k,
            "mean_at_k": record.mean_at_k, "pass_at_k": record.pass_at_k, "prompts": record.prompts,
            "pass_threshold": record.pass_threshold, "components": record.components, "model": str(target)}
     if args.json:
@@ -83,7 +87,8 @@ def _config(args: argparse.Namespace, target: Path):
     return config
 
 
-async def evaluate_model(config, model_dir: str, version: int, log_dir: Path, config_path: str | None = None):
+async def evaluate_model(config, model_dir: str, version: int, log_dir: Path, config_path: str | None = None,
+                         run_dir: Path | None = None):
     """One evaluation of `model_dir` with one in-process engine (the run's engine settings)."""
     from orchestrator.engines import make_engine
     from orchestrator.eval import Evaluator
@@ -91,10 +96,13 @@ async def evaluate_model(config, model_dir: str, version: int, log_dir: Path, co
     from orchestrator.run import run_sampling
     from orchestrator.scoring import Scorer
     from orchestrator.tasks import make_task
-    from orchestrator.tasks.entrypoint import search_path
+    from orchestrator.tasks.entrypoint import SEARCH_PATH_FILE, search_path
 
     task_config = config.eval.task_config(config.task)
     paths = search_path(config_path)
+    if run_dir is not None:  # where the run found the task's modules
+        stored = run_dir / SEARCH_PATH_FILE
+        paths += json.loads(stored.read_text()) if stored.is_file() else []
     task = await anyio.to_thread.run_sync(lambda: make_task(task_config, model_dir, search_path=paths, where="eval"))
     sampling, logprobs_mode = run_sampling(config)
     engine_config = msgspec.structs.replace(config.engine, model=model_dir, kind="inproc", url=None,
@@ -104,6 +112,7 @@ async def evaluate_model(config, model_dir: str, version: int, log_dir: Path, co
                           config.eval, sampling)
     await evaluator.load()
     async with engine:
+        await engine.set_weight_version(version)  # its tokens carry the version they were sampled by
         fleet = Fleet([engine], live_version=version)
         return await evaluator.run(fleet, step=0, version=version)
 

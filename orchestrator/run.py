@@ -103,8 +103,9 @@ class Run:
         self.reaper = Reaper.start()
         try:
             await self._run_with_services()
-        finally:
-            await anyio.to_thread.run_sync(self.reaper.stop)
+        finally:  # (if this process dies instead, the watchdog notices and sweeps all the same)
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self.reaper.stop)
         stats = self.recorder_stats
         print(summary(self.progress.state, stats, str(self.run_dir), self.http and self.http.url))
         if self.loop.failure:
@@ -169,7 +170,7 @@ class Run:
         from orchestrator.resume import DispatchJournal
         from orchestrator.scoring import Scorer
         from orchestrator.tasks import make_task
-        from orchestrator.tasks.entrypoint import search_path
+        from orchestrator.tasks.entrypoint import run_search_path
         from orchestrator.trainer.launcher import TrainerProcess
 
         config = self.config
@@ -182,8 +183,9 @@ class Run:
         self.recorder = Recorder(self.run_dir, fsync_every_records=config.run.fsync_every_records,
                                  fsync_every_ms=config.run.fsync_every_ms, on_record=self.metrics.on_record)
         self.journal = DispatchJournal(self.run_dir)
+        self.search_path = run_search_path(self.run_dir, getattr(self, "config_path", None))
         self.task = await anyio.to_thread.run_sync(lambda: make_task(
-            config.task, model_dir, search_path=search_path(getattr(self, "config_path", None))))
+            config.task, model_dir, search_path=self.search_path))
         self.scorer = Scorer(self.task, workers=config.task.score_workers, timeout_s=config.task.score_timeout_s)
         self.evaluator = await self._evaluator(model_dir)
         self.progress.state.status = "starting the trainer and engines"
@@ -229,15 +231,13 @@ class Run:
         from orchestrator.eval import Evaluator
         from orchestrator.scoring import Scorer
         from orchestrator.tasks import make_task
-        from orchestrator.tasks.entrypoint import search_path
 
         config = self.config
         if not config.eval.every_steps:
             return None
         task_config = config.eval.task_config(config.task)
         task = await anyio.to_thread.run_sync(lambda: make_task(
-            task_config, model_dir, search_path=search_path(getattr(self, "config_path", None)), where="eval",
-            tokenizer=self.task.tokenizer))
+            task_config, model_dir, search_path=self.search_path, where="eval", tokenizer=self.task.tokenizer))
         scorer = Scorer(task, workers=task_config.score_workers, timeout_s=task_config.score_timeout_s)
         evaluator = Evaluator(task, scorer, config.eval, self.sampling)
         await evaluator.load()

@@ -25,6 +25,28 @@ def search_path(config_path: str | os.PathLike | None = None) -> list[str]:
     return paths
 
 
+SEARCH_PATH_FILE = "search_path.json"
+
+
+def run_search_path(run_dir: str | os.PathLike, config_path: str | os.PathLike | None = None) -> list[str]:
+    """The search path of a run: the one its first start recorded in RUN_DIR/search_path.json (so
+    `--resume` and `inflight eval RUN_DIR` find the user's modules from any working directory),
+    then this start's own. A fresh run records it."""
+    import json
+
+    stored_file = Path(run_dir) / SEARCH_PATH_FILE
+    stored: list[str] = []
+    if stored_file.is_file():
+        try:
+            stored = [str(p) for p in json.loads(stored_file.read_text())]
+        except (OSError, ValueError):
+            stored = []
+    paths = list(dict.fromkeys(stored + search_path(config_path)))
+    if not stored_file.exists() and Path(run_dir).is_dir():
+        stored_file.write_text(json.dumps(paths) + "\n")
+    return paths
+
+
 def load_callable(spec: str, where: str, extra_path: list[str] | None = None):
     """The object named by "package.module:attribute" (dotted attributes allowed)."""
     module_name, sep, attr = spec.partition(":")
