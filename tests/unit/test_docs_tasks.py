@@ -221,3 +221,25 @@ def test_the_readme_task_config_loads(tmp_path):
     assert config.task.dataset == "data/train.jsonl" and [r["fn"] for r in config.task.rewards] == [
         "math", "my_task.rewards:format_ok"]
     assert config.eval.every_steps == 10 and config.run.wandb_settings().mode == "offline"
+
+
+@pytest.mark.parametrize(("task_body", "field", "words"), [
+    ('dataset = "missing/train.jsonl"\nrewards = [{fn = "exact"}]', "task.dataset", "missing/train.jsonl"),
+    ('dataset = "rows.jsonl"\nrewards = [{fn = "exact"}]', "task.prompt_field", "row 1"),
+    ('dataset = "rows.jsonl"\nrewards = [{fn = "nowhere.rewards:f"}]', "task.rewards[0].fn", "nowhere"),
+    ('entrypoint = "nowhere.tasks:make"', "task.entrypoint", "nowhere"),
+])
+def test_inflight_run_stops_at_start_naming_the_task_mistake(tmp_path, tiny_model_dir, task_body, field, words):
+    import subprocess
+
+    (tmp_path / "rows.jsonl").write_text('{"prompt": "a"}\n{"question": "b"}\n')
+    config = tmp_path / "c.toml"
+    config.write_text(f'[engine]\nmodel = "{tiny_model_dir}"\n[run]\nmodel_preset = "tiny"\nprogress = "none"\n'
+                      f'[task]\n{task_body}\n')
+    out = subprocess.run([sys.executable, "-m", "orchestrator.cli", "run", str(config), "--run-dir",
+                          str(tmp_path / "run")], capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert out.returncode == 2, out.stderr[-3000:]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("inflight: error:")]
+    assert len(errors) == 1 and field in errors[0] and words in errors[0], out.stderr[-3000:]
+    assert "Traceback" not in out.stderr
+    assert not list((tmp_path / "run").glob("engine-*.log"))  # before any engine started
