@@ -277,10 +277,22 @@ class TaskConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     chat_template: bool = True
     # Each scoring call (every reward function of one completion) is bounded by this.
     score_timeout_s: float = 30.0
-    # Scoring runs off the event loop, in this many worker threads.
-    score_workers: int = 4
+    # Scoring runs off the event loop, in this many worker processes or threads (score_pool).
+    score_workers: int = 2
     # The task's name in prompt ids, metrics and eval keys; default from entrypoint/dataset/name.
     id: str | None = None
+    # process: scoring in `score_workers` processes, each building the task once at start; a hung
+    # reward function is killed and replaced, and no GIL contention with the event loop.
+    # thread: in-process threads, cheaper to start; a hung function keeps its thread.
+    # auto: process for your code (entrypoint, dataset), thread for the built-in toys.
+    score_pool: Literal["auto", "process", "thread"] = "auto"
+
+    @property
+    def scoring_pool(self) -> str:
+        """The pool `score_pool` resolves to."""
+        if self.score_pool != "auto":
+            return self.score_pool
+        return "process" if self.entrypoint or self.dataset else "thread"
 
     def validate(self) -> TaskConfig:
         if not 1 <= self.length_min <= self.length_max:

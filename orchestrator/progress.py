@@ -146,6 +146,8 @@ def summary(state: ProgressState, stats: dict, run_dir: str, http_url: str | Non
         f"  inflight stats {run_dir}                  staleness, spans, activations",
         f"  inflight replay {run_dir} --verify-spans   off-policy analysis by version lag, provenance check",
         f"  inflight export {run_dir} --parquet rollouts.parquet   one row per rollout (DuckDB, polars)",
+        f"  inflight export-model {run_dir} --version latest OUT_DIR   the trained model, a Hugging Face directory",
+        f"  inflight eval {run_dir} [CONFIG]   held-out mean@k / pass@k of the newest version",
         f"  inflight run --run-dir {run_dir} --resume --max-steps N   continue training",
     ]
     return "\n".join(lines)

@@ -14,6 +14,7 @@ RUN_DIR holds:
 
 from __future__ import annotations
 
+import functools
 import signal
 import time
 import uuid
@@ -168,7 +169,7 @@ class Run:
         from orchestrator.model import ensure_model
         from orchestrator.recording import Recorder, policy_identity
         from orchestrator.resume import DispatchJournal
-        from orchestrator.scoring import Scorer
+        from orchestrator.scoring import make_scorer
         from orchestrator.tasks import make_task
         from orchestrator.tasks.entrypoint import run_search_path
         from orchestrator.trainer.launcher import TrainerProcess
@@ -186,7 +187,10 @@ class Run:
         self.search_path = run_search_path(self.run_dir, getattr(self, "config_path", None))
         self.task = await anyio.to_thread.run_sync(lambda: make_task(
             config.task, model_dir, search_path=self.search_path))
-        self.scorer = Scorer(self.task, workers=config.task.score_workers, timeout_s=config.task.score_timeout_s)
+        self.scorer = make_scorer(self.task, pool=config.task.scoring_pool, workers=config.task.score_workers,
+                                  timeout_s=config.task.score_timeout_s,
+                                  builder=functools.partial(make_task, config.task, model_dir,
+                                                            search_path=self.search_path))
         self.evaluator = await self._evaluator(model_dir)
         self.progress.state.status = "starting the trainer and engines"
         self.progress.refresh()
@@ -204,6 +208,7 @@ class Run:
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(start_trainer)
+            tg.start_soon(self.scorer.start)  # scoring workers build the task while engines start
             for engine in self.engines:
                 tg.start_soon(engine.start)
         self.fleet = Fleet.from_config(self.engines, config.activation)
@@ -362,6 +367,9 @@ class Run:
             async with anyio.create_task_group() as tg:
                 for engine in getattr(self, "engines", []):
                     tg.start_soon(_shutdown_engine, engine)
+                for scorer in (getattr(self, "scorer", None), getattr(getattr(self, "evaluator", None), "scorer", None)):
+                    if scorer is not None:
+                        tg.start_soon(scorer.aclose)
             recorder = getattr(self, "recorder", None)
             self.recorder_stats = {}
             if recorder is not None:
