@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _bench_end_to_end(names, model=None):
     """`inflight bench transports --end-to-end`: handed to `transports.cli` (which never imports
     `orchestrator`); imports the engines only when run."""
-    from orchestrator.bench_end_to_end import run_end_to_end
+    from orchestrator.bench.end_to_end import run_end_to_end
 
     return run_end_to_end(names, model=model)
 

@@ -50,8 +50,8 @@ def register(sub, bench_sub) -> None:
                         help="the version to export: latest (default: the newest the run holds) or a number")
     export.set_defaults(func=cmd_export_model)
     __import__("orchestrator.eval_command", fromlist=["register"]).register(sub)
-    __import__("orchestrator.bench_activation", fromlist=["register"]).register(bench_sub)
-    __import__("orchestrator.bench_orchestrator", fromlist=["register"]).register(bench_sub)
+    __import__("orchestrator.bench.activation", fromlist=["register"]).register(bench_sub)
+    __import__("orchestrator.bench.orchestrator", fromlist=["register"]).register(bench_sub)
 
 
 def cmd_model_init(args: argparse.Namespace) -> int:

@@ -3,7 +3,12 @@
     GET /stats     the same JSON as `inflight stats --json` over the live run (same code);
                    ?step_min=&step_max= filter as the CLI's --step-min/--step-max do
     GET /metrics   Prometheus text (prometheus_client)
-    GET /healthz   {"ok": true, "step": ..., "live_version": ...}
+    GET /healthz   {"ok": true, "step": ..., "live_version": ...}; "ok": false with "degraded"
+                   saying why while the run cannot make progress (activations failing)
+
+The socket is bound before anything else starts (a port in use fails the run at once); while
+the run starts, /stats and /metrics answer 503 (their callables return None) and /healthz says
+"state": "starting".
 
 Bound to 127.0.0.1 by default (`[http] host`); port 0 picks a free port, and the address is
 written to RUN_DIR/http.json. A bad request gets a 4xx with a JSON body naming the parameter;
@@ -24,7 +29,7 @@ from orchestrator.logging import get_logger
 log = get_logger(__name__)
 
 
-def build_app(stats: Callable[[Any], dict], metrics: Callable[[], bytes], health: Callable[[], dict]):
+def build_app(stats: Callable[[Any], dict | None], metrics: Callable[[], bytes | None], health: Callable[[], dict]):
     from starlette.applications import Starlette
     from starlette.requests import Request
     from starlette.responses import JSONResponse, Response
@@ -34,6 +39,9 @@ def build_app(stats: Callable[[Any], dict], metrics: Callable[[], bytes], health
 
     def bad(parameter: str, reason: str) -> JSONResponse:
         return JSONResponse({"error": reason, "parameter": parameter}, status_code=400)
+
+    def starting() -> JSONResponse:
+        return JSONResponse({"error": "the run is starting"}, status_code=503)
 
     async def get_stats(request: Request):
         values: dict[str, int] = {}
@@ -54,10 +62,14 @@ def build_app(stats: Callable[[Any], dict], metrics: Callable[[], bytes], health
             filters = Filters(**values)
         except Exception as exc:  # noqa: BLE001 - a filter the query layer refuses is the client's error
             return bad(",".join(values) or "filters", str(exc))
-        return JSONResponse(stats(filters))
+        body = stats(filters)
+        return starting() if body is None else JSONResponse(body)
 
     async def get_metrics(request: Request):
-        return Response(metrics(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        body = metrics()
+        if body is None:
+            return starting()
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def get_health(request: Request):
         return JSONResponse(health())

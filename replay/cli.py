@@ -241,8 +241,8 @@ def run_export(args: argparse.Namespace) -> int:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from replay.bench import GOALS
-    from replay.bench import run_bench as bench
+    from replay.bench.log import GOALS
+    from replay.bench.log import run_bench as bench
 
     with _expected_failures() as code, _progress() as progress:
         result = bench(records=args.records, fsync1_records=args.fsync1_records,

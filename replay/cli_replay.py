@@ -129,7 +129,7 @@ def _render(report: dict[str, Any]) -> None:
 
 
 def run_bench_analysis(args: argparse.Namespace) -> int:
-    from replay.analysis.bench import GOAL, run_bench
+    from replay.bench.analysis import GOAL, run_bench
 
     result = run_bench(rollouts=args.rollouts, device=args.device, directory=args.dir)
     if args.json:

@@ -195,7 +195,7 @@ def bench_command(args: argparse.Namespace) -> int:
     except UsageError as exc:
         print(f"inflight: error: {exc}", file=sys.stderr)
         return 2
-    from transports.bench import run_bench
+    from transports.bench.transports import run_bench
 
     try:
         results = run_bench(size=size, tensors=tensors, bucket_bytes=bucket, transports=names, directory=args.dir,
@@ -220,7 +220,7 @@ def bench_command(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(results))
     else:
-        from transports.bench import print_table
+        from transports.bench.transports import print_table
 
         print_table(results)
     return 0

@@ -21,14 +21,16 @@ from pathlib import Path
 import anyio
 import msgspec
 
+from orchestrator.errors import InflightError
 from orchestrator.logging import get_logger
+from orchestrator.reaper import die_with_parent
 from orchestrator.trainer.link import Ready, Stop, TrainerLink
 
 log = get_logger(__name__)
 
 
-class TrainerError(RuntimeError):
-    """The trainer failed, died, or did not answer in time."""
+class TrainerError(InflightError, RuntimeError):
+    """The trainer failed, died, or did not answer in time (the message names its log)."""
 
 
 class TrainerProcess:
@@ -57,8 +59,12 @@ class TrainerProcess:
             # The whole argv (--resume included), the configuration's JSON named by its file.
             at = cmd.index("--config-json") + 1
             log.info("trainer.command", argv=[*cmd[:at], "$(cat RUN_DIR/config.json)", *cmd[at + 1:]])
+        # It dies with the orchestrator (parent-death signal; torchrun's ranks, in sessions of
+        # their own, by the run's watchdog: orchestrator.reaper), and leaves a terminal's Ctrl-C
+        # to the orchestrator, which lets it finish the step it holds before stopping it.
         self.process = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env,
-                                        start_new_session=self.group)
+                                        start_new_session=self.group,
+                                        preexec_fn=die_with_parent(ignore_sigint=True))
         log_file.close()
         message = await self._first_message(self.config.trainer.start_timeout_s)
         if not isinstance(message, Ready):

@@ -89,7 +89,10 @@ class Publisher:
     `rank`/`world`: this trainer rank under torchrun (FSDP2: the state dict holds DTensors)."""
 
     def __init__(self, model, run_dir: str | os.PathLike, transport: TransportConfig, version: int, *,
-                 bucket_bytes: int | None = None, rank: int = 0, world: int = 1) -> None:
+                 bucket_bytes: int | None = None, rank: int = 0, world: int = 1,
+                 dtype=None) -> None:
+        """`dtype` (a torch.dtype): every floating tensor is published in it, cast while packed
+        (a trainer holding bf16 for an fp32 engine); None: each tensor in its own dtype."""
         from transports.refit.plan import DEFAULT_BUCKET_BYTES, RefitPlan
 
         self.model = model
@@ -97,7 +100,8 @@ class Publisher:
         self.root = weights_root(run_dir)
         state = model.state_dict()
         # DTensors report their global shape: the plan is the unsharded model's on every rank.
-        meta = {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
+        meta = {k: (tuple(v.shape), dtype if dtype is not None and v.dtype.is_floating_point else v.dtype)
+                for k, v in state.items()}
         self.plan = RefitPlan.build(meta, None, bucket_bytes=bucket_bytes or DEFAULT_BUCKET_BYTES, wire_dtype=None)
         self.largest_bytes = max((_numel(s) * d.itemsize for s, d in meta.values()), default=0)
         self.memory: PublishMemory | None = None

@@ -56,13 +56,13 @@ def share(obj, ranks: Ranks):
 
 def init_group(ranks: Ranks, tc: TrainerConfig) -> None:
     """The process group torchrun's environment describes (MASTER_ADDR/PORT, RANK, WORLD_SIZE):
-    gloo on CPU, NCCL on GPU (written, not yet run on a GPU). Its timeout bounds every
+    gloo for a CPU trainer, NCCL for trainer.device = "cuda" (written, not yet run on a GPU). Its timeout bounds every
     collective: a step, a publish, the start-up."""
     import datetime
 
     import torch.distributed as dist
 
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = "nccl" if tc.device == "cuda" else "gloo"  # trainer.device, checked at the trainer's start
     if backend == "nccl":
         torch.cuda.set_device(ranks.local_rank)
     timeout = datetime.timedelta(seconds=max(tc.start_timeout_s, tc.step_timeout_s))

@@ -1,6 +1,13 @@
 """One optimizer step on one batch of samples, in one process (`train_step`) or on one rank
 of an FSDP2 model (`train_step_sharded`): pure compute, no I/O. The trainer process
-(`orchestrator.trainer.process`) drives them."""
+(`orchestrator.trainer.process`) drives them.
+
+A batch runs as micro-batches of at most `trainer.micro_batch_tokens` padded tokens
+(`micro_batches`: samples bucketed by length), each forward and backward on its own, their
+gradients accumulated into one optimizer step. The loss is a token mean over the whole batch,
+so each micro-batch adds its token sum / the batch's tokens: loss, gradient, clipping and step
+are the whole batch's, and so are the statistics (merged by token count) and the per-rollout
+log ratios (put back in batch order)."""
 
 from __future__ import annotations
 
@@ -34,30 +41,68 @@ class StepResult(msgspec.Struct):
     log_ratio_max_abs: list[float]
 
 
+def micro_batches(lengths: Sequence[int], budget: int | None) -> list[list[int]]:
+    """The samples (indices into `lengths`, prompt + completion tokens each) of each
+    micro-batch. None: one micro-batch, the batch as it is. A budget: longest first (ties in
+    batch order), cut so that a micro-batch's padded size (its rows x its longest row) stays
+    within the budget; a sample longer than the budget goes alone. Neighbours in length share
+    a micro-batch, so little of it is padding."""
+    if budget is None:
+        return [list(range(len(lengths)))] if lengths else []
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    out: list[list[int]] = []
+    for i in order:
+        if out and (len(out[-1]) + 1) * lengths[out[-1][0]] <= budget:
+            out[-1].append(i)
+        else:
+            out.append([i])
+    return out
+
+
+class _Unpacked(msgspec.Struct):
+    prompts: list[list[int]]
+    completions: list[list[int]]
+    recorded: list[np.ndarray]  # the engine's logprobs, per sample
+    rewards: torch.Tensor
+    advantages: torch.Tensor  # group-normalised over the whole batch
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(p) + len(c) for p, c in zip(self.prompts, self.completions)]
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(c) for c in self.completions)
+
+
+class _Accumulated(msgspec.Struct):
+    """What the micro-batches of one slice of the batch add up to, in the slice's order."""
+
+    loss_sum: float  # the sum over tokens of the per-token loss
+    stats: list[dict[str, float]]  # policy_loss's, one per micro-batch
+    log_ratio_mean: torch.Tensor
+    log_ratio_max_abs: torch.Tensor
+
+
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, samples: Sequence[Sample],
                config: TrainerConfig, pad_id: int, step: int | None = None,
-               temperature: float = 1.0) -> StepResult:
-    """One optimizer step on one batch of samples (pure compute: no I/O)."""
-    prompts, completions, recorded, rewards, advantages = _unpack(samples, config)
-    behaviour = torch.from_numpy(np.concatenate(recorded).astype(np.float32))
-    batch = PackedBatch(prompts, completions, pad_id)
-
+               temperature: float = 1.0, device: torch.device | None = None) -> StepResult:
+    """One optimizer step on one batch of samples (pure compute: no I/O), by micro-batches of
+    at most `config.micro_batch_tokens` (gradient accumulation: the same loss, gradient and
+    step as the whole batch at once)."""
+    data = _unpack(samples, config)
     optimizer.zero_grad(set_to_none=True)
-    logp = completion_logprobs(model, batch, temperature)
-    # One forward serves both: the weights have not moved yet, so logp.detach() is the trainer's
-    # logprob before the step (no dropout in these models: train and inference forwards agree).
-    lr_mean, lr_max = per_rollout_log_ratio(logp.detach() - behaviour, batch.flat_rollout, len(samples))
-    loss, stats = policy_loss(logp, behaviour, advantages[batch.flat_rollout], None, config)
-    loss.backward()
-    max_norm = config.grad_clip if config.grad_clip > 0 else math.inf
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    optimizer.step()
-
-    metrics = {**stats, "grad_norm": float(grad_norm), "samples": float(len(samples))}
+    plan = micro_batches(data.lengths, config.micro_batch_tokens)
+    # The loss is a token mean over the whole batch: each micro-batch's token sum / all tokens.
+    acc = _accumulate(model, data, list(range(len(samples))), plan, config, pad_id, temperature,
+                      device or torch.device("cpu"), scale=1.0 / max(data.tokens, 1))
+    grad_norm = _clip_and_step(model, optimizer, config)
+    metrics = {**merge_stats(acc.stats), "grad_norm": grad_norm, "samples": float(len(samples))}
     metrics.update(_staleness(samples, step))
-    return StepResult(loss=float(loss.detach()), reward_mean=float(rewards.mean()), metrics=metrics,
-                      rollout_ids=[s.rollout_id for s in samples], advantages=advantages.tolist(),
-                      log_ratio_mean=lr_mean.tolist(), log_ratio_max_abs=lr_max.tolist())
+    return StepResult(loss=acc.loss_sum / max(data.tokens, 1), reward_mean=float(data.rewards.mean()),
+                      metrics=metrics, rollout_ids=[s.rollout_id for s in samples],
+                      advantages=data.advantages.tolist(), log_ratio_mean=acc.log_ratio_mean.tolist(),
+                      log_ratio_max_abs=acc.log_ratio_max_abs.tolist())
 
 
 def train_step_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, samples: Sequence[Sample],
@@ -69,46 +114,82 @@ def train_step_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
 
     device = device or torch.device("cpu")
     # Groups are normalised over the whole batch, which every rank holds.
-    prompts, completions, recorded, rewards, advantages = _unpack(samples, config)
-    tokens = sum(len(c) for c in completions)
-    lo, hi = len(samples) * ranks.rank // ranks.world, len(samples) * (ranks.rank + 1) // ranks.world
+    data = _unpack(samples, config)
+    lengths = data.lengths
+    slices = [range(len(samples) * r // ranks.world, len(samples) * (r + 1) // ranks.world) for r in range(ranks.world)]
+    mine = list(slices[ranks.rank])
+    plan = [[mine[i] for i in mb] for mb in micro_batches([lengths[i] for i in mine], config.micro_batch_tokens)]
+    # FSDP's collectives need every rank's forward and backward, as many on each: a rank with
+    # fewer micro-batches (a shorter slice, or none: a batch smaller than the world) runs idle
+    # passes that add zero to the gradient.
+    passes = max(len(micro_batches([lengths[i] for i in s], config.micro_batch_tokens)) for s in slices)
 
     optimizer.zero_grad(set_to_none=True)
-    if hi > lo:
-        batch = PackedBatch(prompts[lo:hi], completions[lo:hi], pad_id)
-        behaviour = torch.from_numpy(np.concatenate(recorded[lo:hi]).astype(np.float32))
-        logp = completion_logprobs(model, _on(batch, device), temperature)
-        lr_mean, lr_max = per_rollout_log_ratio(logp.detach().cpu() - behaviour, batch.flat_rollout, hi - lo)
-        loss, stats = policy_loss(logp, behaviour.to(device), advantages[lo:hi][batch.flat_rollout].to(device),
-                                  None, config)
-        local_sum = loss * max(len(logp), 1)  # policy_loss is a token mean over this slice
-    else:
-        # FSDP's collectives need every rank's forward and backward: a rank without samples
-        # (a batch smaller than the world) adds a zero to the loss.
-        logits = model(input_ids=torch.full((1, 1), pad_id, dtype=torch.long, device=device)).logits
-        local_sum = logits.sum() * 0.0
-        stats, lr_mean, lr_max = {"tokens": 0.0}, torch.empty(0), torch.empty(0)
     # FSDP averages the gradients over ranks: x world makes them those of the whole batch's
     # token mean, as one process would compute it.
-    (local_sum * (ranks.world / max(tokens, 1))).backward()
+    acc = _accumulate(model, data, mine, plan, config, pad_id, temperature, device,
+                      scale=ranks.world / max(data.tokens, 1))
+    for _ in range(passes - len(plan)):
+        _idle_pass(model, pad_id, temperature, device)
+    grad_norm = _clip_and_step(model, optimizer, config)
+
+    parts: list = [None] * ranks.world
+    dist.all_gather_object(parts, (acc.loss_sum, merge_stats(acc.stats), acc.log_ratio_mean.tolist(),
+                                   acc.log_ratio_max_abs.tolist()))
+    metrics = {**merge_stats([p[1] for p in parts]), "grad_norm": grad_norm, "samples": float(len(samples))}
+    metrics.update(_staleness(samples, step))
+    return StepResult(loss=sum(p[0] for p in parts) / max(data.tokens, 1), reward_mean=float(data.rewards.mean()),
+                      metrics=metrics, rollout_ids=[s.rollout_id for s in samples],
+                      advantages=data.advantages.tolist(),
+                      log_ratio_mean=[v for p in parts for v in p[2]], log_ratio_max_abs=[v for p in parts for v in p[3]])
+
+
+def _accumulate(model: torch.nn.Module, data: _Unpacked, indices: list[int], plan: list[list[int]],
+                config: TrainerConfig, pad_id: int, temperature: float, device: torch.device,
+                scale: float) -> _Accumulated:
+    """Forward and backward of each micro-batch in `plan` (sample indices, all in `indices`),
+    each micro-batch's token sum of the loss x `scale` into the gradients; per-rollout log
+    ratios come back in the order of `indices`."""
+    position = {i: k for k, i in enumerate(indices)}
+    nan = torch.full((len(indices),), float("nan"))
+    acc = _Accumulated(loss_sum=0.0, stats=[], log_ratio_mean=nan.clone(), log_ratio_max_abs=nan.clone())
+    for mb in plan:
+        batch = PackedBatch([data.prompts[i] for i in mb], [data.completions[i] for i in mb], pad_id)
+        behaviour = torch.from_numpy(np.concatenate([data.recorded[i] for i in mb]).astype(np.float32))
+        advantages = data.advantages[mb][batch.flat_rollout]
+        logp = completion_logprobs(model, _on(batch, device), temperature)
+        # One forward serves both: the weights have not moved yet, so logp.detach() is the
+        # trainer's logprob before the step (no dropout in these models: train and inference
+        # forwards agree).
+        lr_mean, lr_max = per_rollout_log_ratio(logp.detach().cpu() - behaviour, batch.flat_rollout, len(mb))
+        slots = torch.tensor([position[i] for i in mb])
+        acc.log_ratio_mean[slots], acc.log_ratio_max_abs[slots] = lr_mean, lr_max
+        loss, stats = policy_loss(logp, behaviour.to(device), advantages.to(device), None, config)
+        n = len(logp)
+        (loss * (n * scale)).backward()  # policy_loss is a token mean over this micro-batch
+        acc.loss_sum += float(loss.detach()) * n
+        acc.stats.append(stats)
+    return acc
+
+
+def _idle_pass(model: torch.nn.Module, pad_id: int, temperature: float, device: torch.device) -> None:
+    """A forward and backward through the same path as a micro-batch, adding zero."""
+    logp = completion_logprobs(model, _on(PackedBatch([[pad_id]], [[pad_id]], pad_id), device), temperature)
+    (logp.sum() * 0.0).backward()
+
+
+def _clip_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: TrainerConfig) -> float:
     max_norm = config.grad_clip if config.grad_clip > 0 else math.inf
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     if hasattr(grad_norm, "full_tensor"):
         grad_norm = grad_norm.full_tensor()
     optimizer.step()
-
-    parts: list = [None] * ranks.world
-    dist.all_gather_object(parts, (float(local_sum.detach()), stats, lr_mean.tolist(), lr_max.tolist()))
-    metrics = {**merge_stats([p[1] for p in parts]), "grad_norm": float(grad_norm), "samples": float(len(samples))}
-    metrics.update(_staleness(samples, step))
-    return StepResult(loss=sum(p[0] for p in parts) / max(tokens, 1), reward_mean=float(rewards.mean()),
-                      metrics=metrics, rollout_ids=[s.rollout_id for s in samples], advantages=advantages.tolist(),
-                      log_ratio_mean=[v for p in parts for v in p[2]], log_ratio_max_abs=[v for p in parts for v in p[3]])
+    return float(grad_norm)
 
 
-def _unpack(samples: Sequence[Sample], config: TrainerConfig):
-    """(prompts, completions, recorded logprobs, rewards, group-normalised advantages) of a
-    batch; a sample whose logprobs do not cover its completion is refused, naming it."""
+def _unpack(samples: Sequence[Sample], config: TrainerConfig) -> _Unpacked:
+    """A batch's tokens, recorded logprobs, rewards and group-normalised advantages; a sample
+    whose logprobs do not cover its completion is refused, naming it."""
     if not samples:
         raise ValueError("a batch needs at least one sample")
     prompts = [unpack_i32(s.prompt_token_ids).tolist() for s in samples]
@@ -119,7 +200,7 @@ def _unpack(samples: Sequence[Sample], config: TrainerConfig):
             raise ValueError(f"rollout {s.rollout_id}: {len(c)} completion tokens but {len(lp)} logprobs")
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
     advantages = group_advantages(rewards, torch.tensor([s.group_id for s in samples]), config.normalize_std)
-    return prompts, completions, recorded, rewards, advantages
+    return _Unpacked(prompts, completions, recorded, rewards, advantages)
 
 
 def _staleness(samples: Sequence[Sample], step: int | None) -> dict[str, float]:

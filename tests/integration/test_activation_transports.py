@@ -24,7 +24,7 @@ from tests.integration.activation_helpers import (
     max_err,
     under_load,
 )
-from transports.bench_end_to_end import TrainerProcess, perturbed_state
+from transports.bench.end_to_end import TrainerProcess, perturbed_state
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(600)]
 TOL = 1e-3

@@ -136,7 +136,7 @@ def test_gpu_ipc_moves_a_version_through_cuda_ipc_handles(tmp_path):
 
 
 def test_bench_reports_every_transport_against_its_reference():
-    from transports.bench import run_bench
+    from transports.bench.transports import run_bench
 
     results = run_bench(size=4 << 20, tensors=20, bucket_bytes=1 << 20,
                         transports=["filesystem", "ipc", "http", "collective"])

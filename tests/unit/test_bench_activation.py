@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from orchestrator.bench_activation_measure import (
+from orchestrator.bench.activation_measure import (
     RATIO_FLOOR_MS,
     Sample,
     added_stall,
@@ -165,7 +165,7 @@ def test_stall_ratio_comes_from_the_medians_and_p90_from_the_spread():
 
 
 def test_bench_results_glue_uses_the_engine_clock_for_stall_and_reports_both(tmp_path):
-    from orchestrator.bench_activation_run import Bench, Load
+    from orchestrator.bench.activation_run import Bench, Load
 
     samples, _, events = synthetic_samples(reps=2)
     bench = Bench(argparse.Namespace(streams=8, idle_seconds=1.0))
@@ -187,7 +187,7 @@ def test_bench_results_glue_uses_the_engine_clock_for_stall_and_reports_both(tmp
 # -- the CLI ---------------------------------------------------------------------------------
 
 def test_register_keeps_the_command_and_defaults_to_at_least_ten_repetitions():
-    from orchestrator.bench_activation import bench_command, format_text, register
+    from orchestrator.bench.activation import bench_command, format_text, register
 
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="what")
@@ -256,7 +256,7 @@ def test_publish_version_commits_a_readable_version(tmp_path):
     import torch
     from safetensors.torch import save_file
 
-    from orchestrator.bench_activation_publish import _CACHE, describe, publish_version
+    from orchestrator.bench.activation_publish import _CACHE, describe, publish_version
     from transports.filesystem import COMPLETE, version_dir
 
     model = tmp_path / "model"
@@ -282,7 +282,7 @@ async def test_publishing_runs_in_another_process_without_blocking_the_loop(tmp_
     import torch
     from safetensors.torch import save_file
 
-    from orchestrator.bench_activation_publish import publish_version
+    from orchestrator.bench.activation_publish import publish_version
     from transports.filesystem import COMPLETE, version_dir
 
     model = tmp_path / "model"
@@ -309,8 +309,8 @@ async def test_publishing_runs_in_another_process_without_blocking_the_loop(tmp_
 async def test_the_idle_twin_waits_for_the_engines_normal_rhythm_bounded(monkeypatch):
     """After an update whose recompute makes steps last seconds, the idle twin starts only once
     the engine's steps are back to their normal length; the wait is bounded."""
-    import orchestrator.bench_activation_run as run
-    from orchestrator.bench_activation_run import Bench
+    import orchestrator.bench.activation_run as run
+    from orchestrator.bench.activation_run import Bench
 
     class Raw:
         def __init__(self, steps):

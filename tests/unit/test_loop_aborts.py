@@ -7,7 +7,7 @@ import anyio
 import pytest
 
 from orchestrator import scheduler as sch
-from orchestrator.bench_orchestrator import BenchRun, fake_engine
+from orchestrator.bench.orchestrator import BenchRun, fake_engine
 from orchestrator.fleet import Fleet
 from orchestrator.loop import RunLoop, request_id
 from replay.log import read_records

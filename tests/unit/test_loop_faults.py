@@ -7,7 +7,7 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from orchestrator.bench_orchestrator import TOKENS, BenchRun, fake_engine
+from orchestrator.bench.orchestrator import TOKENS, BenchRun, fake_engine
 from orchestrator.errors import EngineGenerateError
 from orchestrator.fleet import Fleet
 from orchestrator.loop import RunLoop

@@ -79,7 +79,7 @@ def test_parse_steps():
 
 @pytest.mark.timeout(120)
 def test_replay_analysis_imports_neither_orchestrator_nor_transports():
-    code = ("import sys; import replay.analysis.analyze, replay.analysis.report, replay.analysis.bench, "
+    code = ("import sys; import replay.analysis.analyze, replay.analysis.report, replay.bench.analysis, "
             "replay.cli_replay; bad = [m for m in sys.modules if m.split('.')[0] in "
             "('orchestrator', 'transports')]; print(bad); sys.exit(1 if bad else 0)")
     result = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=110)

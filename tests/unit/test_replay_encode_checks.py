@@ -9,7 +9,7 @@ import math
 import msgspec
 import pytest
 
-from replay.bench import synthetic_rollouts
+from replay.bench.log import synthetic_rollouts
 from replay.errors import InvalidRecordError
 from replay.log import FsyncPolicy, ReplayLog, read_records
 from replay.records import (

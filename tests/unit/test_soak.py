@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.bench_orchestrator import soak
+from orchestrator.bench.orchestrator import soak
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

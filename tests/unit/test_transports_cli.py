@@ -80,7 +80,8 @@ def test_registration_does_not_import_torch():
 @pytest.mark.parametrize("error", [
     "TransportTimeoutError", "TransportError", "ChecksumError", "TransportUnavailableError"])
 def test_a_transport_error_in_bench_exits_2_with_one_named_line(error, capsys, monkeypatch, tmp_path):
-    from transports import bench, errors
+    from transports import errors
+    from transports.bench import transports as bench
 
     def failing(**kwargs):
         cls = getattr(errors, error)
@@ -105,7 +106,7 @@ def test_the_top_level_cli_exits_2_on_a_transport_error(tmp_path):
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(
-        "import transports.bench as b\n"
+        "import transports.bench.transports as b\n"
         "from transports.errors import TransportTimeoutError\n"
         "def run_bench(**kw):\n"
         "    raise TransportTimeoutError('waiting for an engine to connect', 1.5)\n"

@@ -121,7 +121,7 @@ def test_moved_names_stay_importable_where_they_were():
         WeightSynchronizer,
         engine_memory_fraction,
     )
-    from transports.bench import PeakRss, RssSampler  # noqa: F401
+    from transports.bench.transports import PeakRss, RssSampler  # noqa: F401
     from transports.refit.plan import Cast, Fp8BlockQuant, Select, Slice, Transpose, apply_views  # noqa: F401
     from transports.synchronizer import WeightSynchronizer as moved
 
@@ -130,7 +130,7 @@ def test_moved_names_stay_importable_where_they_were():
 
 def test_transports_and_replay_never_import_orchestrator():
     """DESIGN.md's dependency direction, lazy imports included (`transports.cli` imported
-    `orchestrator.bench_end_to_end` inside `bench_command`; the orchestrator now hands the
+    `orchestrator.bench.end_to_end` inside `bench_command`; the orchestrator now hands the
     runner in)."""
     offenders = []
     for package in ("transports", "replay"):

@@ -1,6 +1,6 @@
 """The running half of `inflight bench activation`: engine, streaming load, interleaved rounds.
 
-See `orchestrator.bench_activation` for what is measured and `bench_activation_measure` for how.
+See `orchestrator.bench.activation` for what is measured and `activation_measure` for how.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from orchestrator.bench_activation_measure import (
+from orchestrator.bench.activation_measure import (
     Sample,
     measure,
     median_interval,
@@ -114,7 +114,7 @@ class Bench:
             return await anyio.to_process.run_sync(fn, *args, cancellable=True, limiter=self.limiter)
 
     async def publish(self) -> int:
-        from orchestrator.bench_activation_publish import publish_version
+        from orchestrator.bench.activation_publish import publish_version
 
         self.version += 1
         await self._in_process(publish_version, str(self.model_dir), str(self.root), self.version)
@@ -130,7 +130,7 @@ class Bench:
     async def run(self) -> dict:
         import anyio
 
-        from orchestrator.bench_activation_publish import describe
+        from orchestrator.bench.activation_publish import describe
         from orchestrator.config import EngineConfig
         from orchestrator.engines.inproc import InProcessEngine
         from orchestrator.model import ensure_model

@@ -8,7 +8,7 @@ running `transports.swap.SwapWorkerExtension`, continuous streaming load on both
 * **raw transfer** (`raw_transfer_s`): the same trainer weights through the same transport into
   two plain receiving processes (`transports.local.ProcessEngine`: receive, validate, stage; no
   engine), the best of `rounds` versions after a warm-up.
-* **end to end** (`end_to_end_s`): a trainer process (`transports.bench_end_to_end`) starts
+* **end to end** (`end_to_end_s`): a trainer process (`transports.bench.end_to_end`) starts
   `sync_weights()` at t0 (its `time.monotonic()`, system-wide); the fleet activates the version
   meanwhile (`Fleet.activate`, `pause_free` by default); the version is live on both engines when
   `activate` returns (t1). Best of `rounds` after a warm-up version.
@@ -107,7 +107,7 @@ def raw_transfer_seconds(transport: str, model_dir: str, rounds: int, timeout_s:
     """Best `sync_weights()` time of the model into two plain receiving processes."""
     import torch
 
-    from transports.bench_end_to_end import perturbed_state
+    from transports.bench.end_to_end import perturbed_state
     from transports.factory import TrainCluster, create_weight_synchronizer
     from transports.local import ProcessEngine
     from transports.lora import load_safetensors_dir
@@ -146,7 +146,7 @@ async def end_to_end(transports: list[str], *, model: str | None = None, rounds:
     from orchestrator.engines.inproc import InProcessEngine
     from orchestrator.fleet import Fleet, FleetTimeouts
     from orchestrator.model import ensure_model
-    from transports.bench_end_to_end import TrainerProcess, end_to_end_figures
+    from transports.bench.end_to_end import TrainerProcess, end_to_end_figures
 
     model_dir = str(ensure_model(model or DEFAULT_MODEL_DIR, preset="small"))
     raw = {t: await anyio.to_thread.run_sync(raw_transfer_seconds, t, model_dir, rounds, timeout_s)

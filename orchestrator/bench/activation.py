@@ -12,10 +12,10 @@ another:
     pause_free     the same flip between two engine steps, without a pause
 
 Every version is published the way a trainer does it: by another process
-(`bench_activation_publish`), finished before the measured window opens; nothing the benchmark
+(`activation_publish`), finished before the measured window opens; nothing the benchmark
 does for itself blocks the loop that timestamps tokens. The update window runs from the pause
 request (baseline, pause_swap, double_buffer) or the end of staging (pause_free) until resume
-(or the activation) returned. Stalls are measured on two clocks (`bench_activation_measure`):
+(or the activation) returned. Stalls are measured on two clocks (`activation_measure`):
 the worker's own per-step times (`swap_step_times`) and the client's chunk arrivals.
 
 Paused strategies keep the KV of running requests by default (`--kv-policy keep`, as the
@@ -39,7 +39,7 @@ import json
 import os
 from pathlib import Path
 
-from orchestrator.bench_activation_run import STRATEGIES, THROUGHPUT_FROM  # noqa: F401 - light imports only
+from orchestrator.bench.activation_run import STRATEGIES, THROUGHPUT_FROM  # noqa: F401 - light imports only
 
 DEFAULT_MODEL_DIR = Path(".inflight") / "bench-models" / "small"
 
@@ -113,7 +113,7 @@ def format_text(result: dict) -> str:
 async def run_bench(args: argparse.Namespace) -> dict:
     import anyio
 
-    from orchestrator.bench_activation_run import Bench
+    from orchestrator.bench.activation_run import Bench
 
     with anyio.fail_after(args.timeout_s):
         return await Bench(args).run()

@@ -1,8 +1,8 @@
 """The trainer process of a coordinated activation, and the figures of the `end_to_end` row of
-`inflight bench transports --end-to-end` (the engine side is `orchestrator.bench_end_to_end`:
+`inflight bench transports --end-to-end` (the engine side is `orchestrator.bench.end_to_end`:
 transports never imports orchestrator).
 
-A trainer process (`python -m transports.bench_end_to_end trainer CONFIG_JSON`) holds a model's
+A trainer process (`python -m transports.bench.end_to_end trainer CONFIG_JSON`) holds a model's
 weights and a sending-only `TransportSynchronizer` (`create_weight_synchronizer(engines=[],
 engine_count=n, ...)`): it never talks to the engines' control plane; each engine's swap worker
 extension stages what it sends, and the fleet's activation makes the version live on every
@@ -82,7 +82,7 @@ class TrainerProcess:
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "transports.bench_end_to_end", "trainer", json.dumps(config)],
+            [sys.executable, "-m", "transports.bench.end_to_end", "trainer", json.dumps(config)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True, bufsize=1, env=env)
         self._lines: queue.Queue = queue.Queue()
         self._reader = threading.Thread(target=self._read_lines, name="trainer-stdout", daemon=True)
@@ -210,6 +210,6 @@ def trainer_main(config: dict[str, Any]) -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) != 3 or sys.argv[1] != "trainer":
-        print("usage: python -m transports.bench_end_to_end trainer CONFIG_JSON", file=sys.stderr)
+        print("usage: python -m transports.bench.end_to_end trainer CONFIG_JSON", file=sys.stderr)
         sys.exit(2)
     sys.exit(trainer_main(json.loads(sys.argv[2])))
