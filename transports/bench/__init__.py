@@ -1,0 +1,1 @@
+"""Benchmarks of the transports (`inflight bench transports`), kept apart from the code they measure."""
