@@ -13,7 +13,7 @@ are tested over random event sequences (tests/unit/test_scheduler.py):
   waiting) within (max_off_policy_steps + 1) x batch size;
 * a completed rollout is consumed at most once, or discarded at most once, never both.
 
-Versions and steps (one convention, DESIGN.md): the base model is version 0; trainer step s
+Versions and steps (one convention, docs/architecture.md): the base model is version 0; trainer step s
 trains from version s - 1 and produces version s; a sample consumed by step s has staleness
 (s - 1) - dispatched_version, so a synchronous run has staleness 0.
 

@@ -6,7 +6,7 @@ r = exp(logp_new - logp_behaviour) against the engine's recorded (behaviour) log
     tis     -mean(min(r, is_cap).detach() * A * logp_new)   the default: with one optimizer
             step per batch the proximal policy of decoupled PPO is the current one, so the
             objective reduces to a truncated-IS policy gradient; it tolerates staleness
-            (docs: FIELD.md, "Staleness and the loss")
+            (docs/trainer.md, "Staleness and the loss (measured)")
     ppo     -mean(min(r * A, clip(r, 1 - ppo_clip, 1 + ppo_clip) * A))
     icepop  -mean(keep * r.detach() * A * logp_new), keep = r in [icepop_low, icepop_high]
     plain   -mean(A * logp_new)

@@ -53,7 +53,7 @@ async def test_every_token_carries_a_weight_version(engine):
 
 async def test_aborting_one_of_several_requests_leaves_the_others_complete(engine):
     # The victim asks for as many tokens as the model's context allows. Still, an abort call to
-    # a busy server can take seconds to reach the engine (../shared/VLLM_CPU.md measured up to
+    # a busy server can take seconds to reach the engine (docs/vllm-cpu.md measured up to
     # 14 s for a control call under streaming load), and the victim may finish first. Such an
     # attempt shows nothing about aborts, so it is tried again; an abort that never lands fails.
     victim_max = 32_000

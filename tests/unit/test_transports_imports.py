@@ -129,7 +129,7 @@ def test_moved_names_stay_importable_where_they_were():
 
 
 def test_transports_and_replay_never_import_orchestrator():
-    """DESIGN.md's dependency direction, lazy imports included (`transports.cli` imported
+    """The dependency direction of docs/architecture.md, lazy imports included (`transports.cli` imported
     `orchestrator.bench.end_to_end` inside `bench_command`; the orchestrator now hands the
     runner in)."""
     offenders = []

@@ -258,3 +258,25 @@ def test_the_pause_free_watch_reports_new_requests_and_their_prefix_cache_hits(s
     ext.model_runner.execute_model(SimpleNamespace(scheduled_new_reqs=[SimpleNamespace(req_id="c-3", num_computed_tokens=0)]))
     assert ext.swap_confirm() == {"requests": {}, "cached": {}}  # the watch ended with the confirm
     sync.shutdown()
+
+
+def test_the_rotary_reload_notice_is_dropped_and_other_reload_warnings_kept():
+    import logging
+
+    import transports.swap  # noqa: F401 - installs the filter, as in every engine worker
+
+    logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    handler = Keep()
+    logger.addHandler(handler)
+    try:
+        logger.warning("%s: Failed to load weights", "RotaryEmbedding")
+        logger.warning("%s: Failed to load weights", "QKVParallelLinear")
+    finally:
+        logger.removeHandler(handler)
+    assert seen == ["QKVParallelLinear: Failed to load weights"]
