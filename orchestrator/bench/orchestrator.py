@@ -8,7 +8,10 @@
    rollouts/s at N in flight (goal >= 0.5); `scale_ratio_8192_vs_64` = orchestrator rollouts/s
    at 8192 over at 64 (goal >= 0.7).
 2. Scoring off the loop: `score_overhead_ratio` = orchestrator rollouts/s with a 1 ms Python
-   reward function over with none, same run (goal >= 0.9).
+   reward function (process pool) over with none, same run, on the zero-latency engine, where
+   the loop alone saturates a core and scoring needs CPU the 2-core machine does not have;
+   `score_overhead_ratio_paced` the same with the engine paced like a real one (a few hundred
+   rollouts/s). Goal >= 0.9.
 3. Flat memory: `rss_growth_ratio` = resident memory after `--soak-steps` steps over after a
    tenth of them, the real loop on the fake engine and trainer (goal <= 1.1).
 4. Async speed-up (`--digits-steps N`, real engine and trainer): the embedded default config
@@ -48,7 +51,7 @@ def register(bench_sub) -> None:
 # The fake engine and the fake trainer.
 
 
-def fake_engine(engine_id: str, tokens: int = TOKENS):
+def fake_engine(engine_id: str, tokens: int = TOKENS, chunk_delay_s: float = 0.0):
     from orchestrator.engines.base import Engine, TokenChunk, VersionSpan
 
     class ZeroLatencyEngine(Engine):
@@ -65,7 +68,10 @@ def fake_engine(engine_id: str, tokens: int = TOKENS):
 
         async def generate(self, request_id, prompt_token_ids, sampling, cache_salt=None, final_only=False):
             for start in range(0, tokens, CHUNK):
-                await anyio.lowlevel.checkpoint()
+                if chunk_delay_s:
+                    await anyio.sleep(chunk_delay_s)  # paced like a real engine's stream
+                else:
+                    await anyio.lowlevel.checkpoint()
                 n = min(CHUNK, tokens - start)
                 last = start + n >= tokens
                 yield TokenChunk(self._chunk_ids[:n], self._chunk_lps[:n], finished=last,
@@ -161,7 +167,7 @@ class BenchRun:
     `pool`: "thread" or "process" (`task.score_pool`), or "inline" (on the loop: a baseline)."""
 
     def __init__(self, run_dir: Path, concurrency: int, rollouts: int, score_ms: float = 0.0,
-                 tokens: int = TOKENS, pool: str = "thread") -> None:
+                 tokens: int = TOKENS, pool: str = "thread", chunk_delay_s: float = 0.0) -> None:
         from orchestrator import scheduler as sch
         from orchestrator.config import RunConfig, RunSection, SchedulerConfig
         from orchestrator.fleet import Fleet
@@ -183,7 +189,7 @@ class BenchRun:
         self.metrics = RunMetrics()
         self.recorder = Recorder(run_dir, on_record=self.metrics.on_record)
         self.journal = DispatchJournal(run_dir)
-        self.fleet = Fleet([fake_engine("fake-0", tokens)])
+        self.fleet = Fleet([fake_engine("fake-0", tokens, chunk_delay_s)])
         self.scheduler = sch.Scheduler(scheduler, ["fake-0"], max_steps=self.max_steps)
         self.trainer = InstantTrainer()
         self.task = FixedTask(score_ms)
@@ -201,12 +207,13 @@ class BenchRun:
     def tensorboard_step(self, m, staleness, components=None) -> None: ...
 
 
-async def orchestrator_rate(concurrency: int, rollouts: int, score_ms: float = 0.0, pool: str = "thread") -> dict:
+async def orchestrator_rate(concurrency: int, rollouts: int, score_ms: float = 0.0, pool: str = "thread",
+                            chunk_delay_s: float = 0.0) -> dict:
     """Rollouts/s of the real RunLoop, and the event loop thread's CPU per rollout."""
     from orchestrator.loop import RunLoop
 
     with tempfile.TemporaryDirectory(prefix="inflight-bench-") as tmp:
-        run = BenchRun(Path(tmp), concurrency, rollouts, score_ms, pool=pool)
+        run = BenchRun(Path(tmp), concurrency, rollouts, score_ms, pool=pool, chunk_delay_s=chunk_delay_s)
         loop = RunLoop(run)
         run.loop = loop
         await run.scorer.start()
@@ -294,6 +301,7 @@ async def run_bench(args: argparse.Namespace) -> dict:
     if 64 in rates and 8192 in rates:
         result["scale_ratio_8192_vs_64"] = rates[8192] / rates[64]
     result.update(await score_overhead(args.rollouts))
+    result.update(await score_overhead_paced())
     if args.soak_steps:
         result.update(await soak(args.soak_steps, max(1, args.soak_steps // 10)))
     return result
@@ -361,6 +369,21 @@ async def score_overhead(rollouts: int, concurrency: int = 64, score_ms: float =
             "orchestrator_scored_thread": thread, "score_ipc_ratio": ipc["rollouts_per_s"] / rate,
             "score_overhead_ratio": scored["rollouts_per_s"] / rate,
             "score_overhead_ratio_thread": thread["rollouts_per_s"] / rate}
+
+
+async def score_overhead_paced(rollouts: int = 2048, concurrency: int = 64, score_ms: float = 1.0,
+                               chunk_delay_s: float = 0.01) -> dict:
+    """The same comparison with the fake engine paced like a real one (a chunk of 16 tokens every
+    `chunk_delay_s`: a few hundred rollouts/s, the loop no longer saturating a core by itself):
+    whether scoring off the loop throttles a run that is not already CPU-bound."""
+    none = await orchestrator_rate(concurrency, rollouts, 0.0, pool="inline", chunk_delay_s=chunk_delay_s)
+    scored = await orchestrator_rate(concurrency, rollouts, score_ms, pool="process", chunk_delay_s=chunk_delay_s)
+    thread = await orchestrator_rate(concurrency, rollouts, score_ms, pool="thread", chunk_delay_s=chunk_delay_s)
+    rate = none["rollouts_per_s"]
+    return {"paced_chunk_delay_s": chunk_delay_s, "orchestrator_unscored_paced": none,
+            "orchestrator_scored_paced": scored, "orchestrator_scored_thread_paced": thread,
+            "score_overhead_ratio_paced": scored["rollouts_per_s"] / rate,
+            "score_overhead_ratio_thread_paced": thread["rollouts_per_s"] / rate}
 
 
 def bench_command(args: argparse.Namespace) -> int:
