@@ -440,21 +440,23 @@ class RunLoop:
 
     # -- evaluation ----------------------------------------------------------------------------
     async def _evaluations(self) -> None:
-        """A held-out evaluation before the first step (eval.at_start) and whenever a version that
-        is a multiple of eval.every_steps goes live; the newest wins if several are due."""
+        """A held-out evaluation before the first step (eval.at_start) and whenever the live
+        version reaches a multiple of eval.every_steps (activations may skip versions: the first
+        live version at or past the multiple is evaluated)."""
         evaluator, fleet = self.run.evaluator, self.run.fleet
         every = self.run.config.eval.every_steps
-        done: set[int] = set()
+        last_round = fleet.live_version // every  # evaluated (or not due) up to here
         if self.run.config.eval.at_start and fleet.live_version == 0 and self.run.scheduler.done_steps == 0:
+            last_round = -1
             self._eval_wanted.set()
         while True:
             await self._eval_wanted.wait()
             self._eval_wanted = anyio.Event()
             async with self.activation_lock:
                 version = fleet.live_version
-                if version in done or (version % every and version != 0):
+                if version // every <= last_round:
                     continue
-                done.add(version)
+                last_round = version // every
                 step = self.run.scheduler.done_steps
                 self.run.progress.state.status = f"running (evaluating v{version})"
                 with anyio.move_on_after(self.run.config.eval.timeout_s) as scope:

@@ -190,7 +190,7 @@ class Run:
         self.scorer = make_scorer(self.task, pool=config.task.scoring_pool, workers=config.task.score_workers,
                                   timeout_s=config.task.score_timeout_s,
                                   builder=functools.partial(make_task, config.task, model_dir,
-                                                            search_path=self.search_path))
+                                                            search_path=self.search_path, scoring_only=True))
         self.evaluator = await self._evaluator(model_dir)
         self.progress.state.status = "starting the trainer and engines"
         self.progress.refresh()

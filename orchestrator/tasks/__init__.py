@@ -16,10 +16,11 @@ TASKS: dict[str, type[Task]] = {"digits": DigitsTask, "length": LengthTask}
 
 
 def make_task(config: TaskConfig, model_dir: str, *, search_path: list[str] | None = None,
-              where: str = "task", tokenizer=None) -> Task:
+              where: str = "task", tokenizer=None, scoring_only: bool = False) -> Task:
     """The configured task, with the tokenizer of the model the engines serve. Everything that
     can be checked (imports, the dataset, every row's prompt, the rewards) is checked here, so
-    a mistake stops the run before any engine starts."""
+    a mistake stops the run before any engine starts. `scoring_only`: for a scoring worker,
+    which gets each prompt's row with the completion: no dataset read, no row scanned."""
     if tokenizer is None:
         from transformers import AutoTokenizer
 
@@ -42,13 +43,16 @@ def make_task(config: TaskConfig, model_dir: str, *, search_path: list[str] | No
         made = call_factory(factory, dict(config.args), where, tokenizer=tokenizer)
         if callable(getattr(made, "row", None)):
             name = config.id or getattr(made, "name", None) or config.task_id
-            return RowTask(tokenizer, config, name=str(name), source=made, rewards=rewards, where=where)
-        return RowTask(tokenizer, config, name=config.task_id, rows=rows_of(made, f"{where}.entrypoint"),
-                       rewards=rewards, where=where)
+            return RowTask(tokenizer, config, name=str(name), source=made, rewards=rewards, where=where,
+                           scan=not scoring_only)
+        rows = [] if scoring_only else rows_of(made, f"{where}.entrypoint")
+        return RowTask(tokenizer, config, name=config.task_id, rows=rows, rewards=rewards, where=where,
+                       scan=not scoring_only)
     from orchestrator.tasks.dataset import load_rows
 
-    return RowTask(tokenizer, config, name=config.task_id, rows=load_rows(config.dataset, f"{where}.dataset"),
-                   rewards=rewards, where=where)
+    rows = [] if scoring_only else load_rows(config.dataset, f"{where}.dataset")
+    return RowTask(tokenizer, config, name=config.task_id, rows=rows, rewards=rewards, where=where,
+                   scan=not scoring_only)
 
 
 def _rewards(config: TaskConfig, where: str, search_path: list[str] | None):

@@ -23,9 +23,10 @@ log = get_logger(__name__)
 
 class RowTask(Task):
     def __init__(self, tokenizer, config: TaskConfig, *, name: str, rows: list[dict] | None = None,
-                 source=None, rewards=None, where: str = "task") -> None:
+                 source=None, rewards=None, where: str = "task", scan: bool = True) -> None:
         """`rows` (a dataset) or `source` (a user's task object with row(), optional __len__ and
-        score()); `rewards` an `orchestrator.tasks.rewards.RewardSet` or None."""
+        score()); `rewards` an `orchestrator.tasks.rewards.RewardSet` or None. `scan=False`: a
+        scoring worker's copy, which never draws prompts (each comes with its row)."""
         super().__init__(tokenizer, config)
         self.name = name
         self.where = where
@@ -35,19 +36,22 @@ class RowTask(Task):
             raise ConfigError(f"{where}.rewards", "nothing scores this task: give rewards = [{fn = ...}] "
                                                   "(or a task object with a score() method)")
         self._check_template()
-        if rows is None and source is not None and hasattr(source, "__len__"):
-            rows = [self._source_row(i) for i in range(len(source))]
         self._rows = rows
         self._encoded: list[tuple[int, ...]] = []
         self.eligible: list[int] = []
         self.skipped = 0
+        self._order_cache: tuple[int, list[int]] | None = None
+        if not scan:
+            return
+        if rows is None and source is not None and hasattr(source, "__len__"):
+            rows = [self._source_row(i) for i in range(len(source))]
+        self._rows = rows
         if rows is not None:
             self._scan(rows)
         elif config.max_prompt_tokens is not None:
             raise ConfigError(f"{where}.max_prompt_tokens", "an endless task (no __len__) cannot skip rows")
         else:
             self._source_row(0)  # a task that cannot give its first row fails now, named
-        self._order_cache: tuple[int, list[int]] | None = None
 
     # -- rows ------------------------------------------------------------------------------------
     @property

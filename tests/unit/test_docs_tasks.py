@@ -243,3 +243,15 @@ def test_inflight_run_stops_at_start_naming_the_task_mistake(tmp_path, tiny_mode
     assert len(errors) == 1 and field in errors[0] and words in errors[0], out.stderr[-3000:]
     assert "Traceback" not in out.stderr
     assert not list((tmp_path / "run").glob("engine-*.log"))  # before any engine started
+
+
+async def test_a_scoring_worker_copy_reads_no_rows_and_scores_the_same(guide, tiny_model_dir, tokenizer):
+    config = load_config(guide["my-task.toml"])
+    full = make_task(config.task, str(tiny_model_dir), search_path=search_path(guide["my-task.toml"]),
+                     tokenizer=tokenizer)
+    worker = make_task(config.task, str(tiny_model_dir), search_path=search_path(guide["my-task.toml"]),
+                       tokenizer=tokenizer, scoring_only=True)
+    assert worker.rows == 0 and not worker.eligible  # nothing read, nothing tokenized
+    prompt = await full.prompt(2)
+    completion = ids(tokenizer, prompt.row["answer"] + " and more")
+    assert await worker.score(prompt, completion) == await full.score(prompt, completion)

@@ -295,7 +295,9 @@ async def test_workers_die_with_a_killed_orchestrator():
 async def test_make_scorer_builds_the_configured_kind(tmp_path):
     from orchestrator.config import TaskConfig, load_config
 
-    assert TaskConfig().score_pool == "process"
+    assert TaskConfig().score_pool == "auto" and TaskConfig().scoring_pool == "thread"  # a built-in toy
+    assert TaskConfig(dataset="d.jsonl").scoring_pool == "process"  # the user's code
+    assert TaskConfig(dataset="d.jsonl", score_pool="thread").scoring_pool == "thread"
     task = CommandTask()
     assert isinstance(make_scorer(task, pool="thread", workers=1, timeout_s=1), Scorer)
     pool = make_scorer(task, pool="process", workers=1, timeout_s=1, builder=CommandTask)
