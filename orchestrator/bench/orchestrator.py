@@ -14,7 +14,10 @@
    rollouts/s). Goal >= 0.9.
 3. Flat memory: `rss_growth_ratio` = resident memory after `--soak-steps` steps over after a
    tenth of them, the real loop on the fake engine and trainer (goal <= 1.1).
-4. Async speed-up (`--digits-steps N`, real engine and trainer): the embedded default config
+4. Generation at the engine's speed: `generation_ratio` = completion tokens/s of the rollout path
+   over offline `vllm.LLM.generate`, same prompts and engine settings (`orchestrator/bench/generation.py`,
+   goal >= 0.8).
+5. Async speed-up (`--digits-steps N`, real engine and trainer): the embedded default config
    run in async mode and in sync mode for the same number of steps; `async_speedup` = trainer
    steps per minute async over sync.
 """
@@ -43,6 +46,9 @@ def register(bench_sub) -> None:
                    help="trainer steps per mode for async_speedup on the digits task (0: skip; real engine)")
     p.add_argument("--soak-steps", type=int, default=2000,
                    help="steps of the memory soak (rss_growth_ratio: RSS at the end over RSS at a tenth; 0: skip)")
+    p.add_argument("--generation-preset", default="tiny-rl", choices=["tiny-rl", "small", "none"],
+                   help="generation_ratio: the rollout path against offline vllm.LLM.generate on this model "
+                        "preset (real engine; none: skip)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=bench_command)
 
@@ -391,6 +397,10 @@ def bench_command(args: argparse.Namespace) -> int:
 
     configure_logging("json", "warning")
     result = anyio.run(run_bench, args)
+    if args.generation_preset != "none":
+        from orchestrator.bench.generation import generation_ratio
+
+        result.update(anyio.run(lambda: generation_ratio(preset=args.generation_preset)))
     if args.digits_steps:
         result.update(digits_speedup(args.digits_steps))
     if args.json:

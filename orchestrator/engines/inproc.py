@@ -128,7 +128,10 @@ class InProcessEngine(Engine):
             raise ConfigError("prompt_token_ids", "must not be empty")
         # final_only: one output per request (no per-token Python work on the way); DELTA otherwise.
         kind = RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.DELTA
-        params = SamplingParams(**sampling.to_vllm(), output_kind=kind)
+        # Token ids and logprobs only: no detokenization in vLLM's output processor (it runs in this
+        # process, on the loop's core); text, where a task needs it, is decoded once at the end.
+        # Stop strings need vLLM's text: with them, it detokenizes.
+        params = SamplingParams(**sampling.to_vllm(), output_kind=kind, detokenize=bool(sampling.stop))
         prompt: dict = {"prompt_token_ids": list(prompt_token_ids)}
         if cache_salt is not None:
             prompt["cache_salt"] = cache_salt
