@@ -121,7 +121,7 @@ class Progress:
         return Panel(table, title="inflight run", expand=False)
 
 
-def summary(state: ProgressState, stats: dict, run_dir: str, http_url: str | None) -> str:
+def summary(state: ProgressState, stats: dict, run_dir: str, http_url: str | None, stopped: str | None = None) -> str:
     """The one-screen summary printed when the run ends."""
     rewards = [x.reward for x in state.steps if x.reward is not None]  # the newest ones
     staleness = stats.get("staleness", {})
@@ -129,7 +129,8 @@ def summary(state: ProgressState, stats: dict, run_dir: str, http_url: str | Non
     pause = (acts.get("pause_s") or {})
     counts = stats.get("rollouts", {})
     lines = [
-        f"inflight run: {state.steps_done} steps in {time.monotonic() - state.started:.0f}s  ({run_dir})",
+        f"inflight run: {state.steps_done} steps in {time.monotonic() - state.started:.0f}s  ({run_dir})"
+        + (f"  stopped: {stopped}" if stopped else ""),
         f"  reward      first {_fmt(state.first_reward)}  last {_fmt(rewards[-1] if rewards else None)}"
         f"  best {_fmt(state.best_reward)}",
         f"  curve       {sparkline(rewards[-72:])}",

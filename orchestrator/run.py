@@ -108,7 +108,8 @@ class Run:
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(self.reaper.stop)
         stats = self.recorder_stats
-        print(summary(self.progress.state, stats, str(self.run_dir), self.http and self.http.url))
+        print(summary(self.progress.state, stats, str(self.run_dir), self.http and self.http.url,
+                      stopped=self.loop.stop_reason if self.loop.stop_reason not in ("", "done") else None))
         if self.loop.failure:
             raise RunFailed(self.loop.failure)
         return 0
