@@ -121,6 +121,20 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_retries: int = 2
     # async: sample while the trainer steps; sync: each step waits for rollouts of the newest version.
     mode: Literal["async", "sync"] = "async"
+    # async: when groups are admitted. eager: at once, up to the bound above, so when the trainer
+    # is the bottleneck every sample is as stale as the bound allows. just_in_time: only when
+    # waiting for the next version would make the trainer wait (paced by the trainer's step time
+    # and the generation round it observes), so samples come from the newest version that can
+    # still be ready in time; when generation is the bottleneck that is the bound, as eager. The
+    # trade-off: a generation round longer than the ones observed so far can make the trainer
+    # wait (at most about one round), which eager's buffer of (max_off_policy_steps + 1) batches
+    # would have hidden, at the price of staler samples.
+    admission: Literal["just_in_time", "eager"] = "just_in_time"
+    # What the staleness bound measures. dispatch: the version a rollout was dispatched at (every
+    # token within the bound). majority: the newest version under which more than half of its
+    # tokens were sampled: a long rollout that spans versions is kept more often (fewer stale
+    # drops), but its earliest tokens may be older than the bound, by its in-flight lag.
+    staleness_by: Literal["dispatch", "majority"] = "dispatch"
 
     @property
     def batch_size(self) -> int:
@@ -139,6 +153,10 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if self.max_inflight < self.group_size:
             raise ConfigError("scheduler.max_inflight",
                               f"must hold at least one group ({self.group_size}), got {self.max_inflight}")
+        for name, allowed in (("mode", ("async", "sync")), ("admission", ("just_in_time", "eager")),
+                              ("staleness_by", ("dispatch", "majority"))):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"scheduler.{name}", f"must be one of {list(allowed)}, got {getattr(self, name)!r}")
         return self
 
 

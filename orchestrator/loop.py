@@ -251,7 +251,9 @@ class RunLoop:
             return
         if completion is not None:
             self.inflight[d.rollout_id].completion = completion
-        self.handle(sch.Finished(rollout_id=d.rollout_id, outcome=outcome, kind=kind, message=message))
+        majority = None if completion is None else sch.majority_version(completion.changes, len(completion.token_ids))
+        self.handle(sch.Finished(rollout_id=d.rollout_id, outcome=outcome, kind=kind, message=message,
+                                 at=time.monotonic(), majority_version=majority))
 
     def _write_terminal(self, t: sch.Terminal) -> None:
         entry = self.inflight[t.rollout_id]  # every rollout that can end has its context (see _shutdown)
@@ -362,7 +364,7 @@ class RunLoop:
         self.run.tensorboard_step(m, staleness, components)
         for rid in rollout_ids:
             self._forget(rid)
-        self.handle(sch.StepDone(step=m.step, version=m.version))
+        self.handle(sch.StepDone(step=m.step, version=m.version, at=time.monotonic()))
         self._forget_ended_groups()
         self.run.progress.step(StepLine(m.step, m.reward_mean, float(np.mean(staleness)), int(max(staleness)),
                                         self.run.metrics.tokens_per_second, self.run.fleet.live_version,
@@ -419,7 +421,7 @@ class RunLoop:
                 self.run.progress.state.last_activation = (
                     f"v{version} {record.outcome} "
                     f"(pause {max((e.pause_s for e in record.engines), default=0):.3f}s)")
-                self.handle(sch.VersionLive(version=version))
+                self.handle(sch.VersionLive(version=version, at=time.monotonic()))
                 self._eval_wanted.set()
             else:
                 failures += 1

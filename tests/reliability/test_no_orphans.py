@@ -1,0 +1,270 @@
+"""No process outlives a run: every child (vLLM's engine core and worker, a server engine and its
+children, the trainer) dies with the orchestrator, whether it exits, is SIGKILLed, or its
+terminal sends SIGINT to the whole process group.
+
+Processes are told apart by a marker the test puts in the environment of `inflight run` (every
+descendant inherits it, wherever it is re-parented), read from /proc; zombies are gone already.
+The first tests exercise the mechanism (`orchestrator.reaper`) with plain processes; the
+engine-marked ones run the real command.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+MARK = "INFLIGHT_TEST_MARK"
+INFLIGHT = [sys.executable, "-m", "orchestrator.cli"]
+
+
+def marked(mark: str) -> list[tuple[int, str]]:
+    """(pid, command line) of every live process whose environment holds MARK=mark."""
+    entry = f"{MARK}={mark}".encode()
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    continue
+            with open(f"/proc/{name}/environ", "rb") as f:
+                if entry not in f.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                found.append((int(name), f.read().replace(b"\0", b" ").decode(errors="replace")[:200]))
+        except (OSError, IndexError):
+            continue
+    return found
+
+
+def gone_within(mark: str, seconds: float) -> list[tuple[int, str]]:
+    """The marked processes still alive after `seconds` (empty as soon as none is)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        left = marked(mark)
+        if not left:
+            return []
+        time.sleep(0.2)
+    return marked(mark)
+
+
+def kill_marked(mark: str) -> None:
+    for pid, _ in marked(mark):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def marked_env(mark: str) -> dict[str, str]:
+    return {**os.environ, MARK: mark}
+
+
+# -- the mechanism, with plain processes ----------------------------------------------------------
+ORCHESTRATOR = textwrap.dedent("""
+    import subprocess, sys, time
+    from orchestrator.reaper import Reaper, die_with_parent
+    reaper = Reaper.start()
+    # a child in our group, one in a session of its own (as a server engine), and a grandchild
+    # re-parented to init (as vLLM's engine core once its parent is gone)
+    subprocess.Popen(["sleep", "300"])
+    subprocess.Popen(["sleep", "300"], start_new_session=True)
+    subprocess.Popen(["sh", "-c", "sleep 300 & exit 0"])
+    print("ready", flush=True)
+    if sys.argv[1] == "stop":
+        time.sleep(1)
+        reaper.stop()
+        print("stopped", flush=True)
+    time.sleep(300)
+""")
+
+
+def start_orchestrator(mark: str, mode: str) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", ORCHESTRATOR, mode], stdout=subprocess.PIPE, text=True,
+                            env=marked_env(mark), start_new_session=True)
+    assert proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+@pytest.mark.timeout(60)
+def test_the_watchdog_kills_every_process_of_a_sigkilled_orchestrator():
+    mark = uuid.uuid4().hex
+    proc = start_orchestrator(mark, "kill")
+    try:
+        time.sleep(0.5)
+        assert len(marked(mark)) >= 5  # orchestrator, watchdog, three sleeps
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        assert gone_within(mark, 10) == []
+    finally:
+        kill_marked(mark)
+
+
+@pytest.mark.timeout(60)
+def test_a_normal_stop_sweeps_what_the_run_left_and_nothing_started_before_it():
+    mark = uuid.uuid4().hex
+    before = subprocess.Popen(["sleep", "300"], env=marked_env(mark))  # not the run's: no token
+    proc = start_orchestrator(mark, "stop")
+    try:
+        assert proc.stdout.readline().strip() == "stopped"
+        left = {pid for pid, _ in marked(mark)}
+        assert left == {proc.pid, before.pid}, marked(mark)
+    finally:
+        proc.kill()
+        before.kill()
+        kill_marked(mark)
+
+
+@pytest.mark.timeout(60)
+def test_a_child_started_with_die_with_parent_dies_with_it_without_the_watchdog():
+    mark = uuid.uuid4().hex
+    script = textwrap.dedent("""
+        import subprocess, time
+        from orchestrator.reaper import die_with_parent
+        subprocess.Popen(["sleep", "300"], start_new_session=True, preexec_fn=die_with_parent(ignore_sigint=True))
+        print("ready", flush=True)
+        time.sleep(300)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=marked_env(mark))
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        (child, _), = [(pid, cmd) for pid, cmd in marked(mark) if pid != proc.pid]
+        with open(f"/proc/{child}/status") as f:  # SIGINT (2) ignored: bit 1 of SigIgn
+            ignored = int(next(line for line in f if line.startswith("SigIgn:")).split()[1], 16)
+        assert ignored & (1 << (signal.SIGINT - 1))
+        proc.kill()
+        proc.wait(10)
+        assert gone_within(mark, 5) == []
+    finally:
+        kill_marked(mark)
+
+
+# -- the real command ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def rl_model(tmp_path_factory) -> Path:
+    from orchestrator.model import ensure_model
+
+    return ensure_model(tmp_path_factory.mktemp("models") / "tiny-rl", preset="tiny-rl", seed=0)
+
+
+def write_config(tmp_path: Path, model: Path, extra: str = "") -> Path:
+    path = tmp_path / "run.toml"
+    path.write_text(textwrap.dedent(f"""
+        [engine]
+        model = "{model}"
+        {extra}
+        [scheduler]
+        group_size = 4
+        batch_groups = 4
+        [run]
+        progress = "plain"
+        tensorboard = false
+        shutdown_grace_s = 10.0
+    """))
+    return path
+
+
+def health(run_dir: Path) -> dict:
+    import urllib.request
+
+    try:
+        url = json.loads((run_dir / "http.json").read_text())["url"]
+        with urllib.request.urlopen(url + "/healthz", timeout=5) as response:
+            return json.loads(response.read())
+    except (OSError, ValueError, KeyError):
+        return {}
+
+
+def run_until_step(tmp_path: Path, config: Path, mark: str, step: int = 2) -> tuple[subprocess.Popen, Path]:
+    run_dir, log = tmp_path / "run", tmp_path / "out.log"
+    proc = subprocess.Popen([*INFLIGHT, "run", str(config), "--run-dir", str(run_dir), "--max-steps", "200"],
+                            stdout=log.open("w"), stderr=subprocess.STDOUT, env=marked_env(mark),
+                            start_new_session=True)
+    deadline = time.monotonic() + 600
+    while (health(run_dir).get("step") or 0) < step:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            kill_marked(mark)
+            raise AssertionError(f"no step {step} (exit {proc.poll()}):\n{log.read_text()[-4000:]}")
+        time.sleep(0.5)
+    return proc, run_dir
+
+
+def engine_processes(mark: str) -> list[str]:
+    return [cmd for _, cmd in marked(mark) if "orchestrator.trainer.process" not in cmd]
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("kind", ["inproc", "server"])
+def test_sigkill_of_the_orchestrator_leaves_no_process_of_the_run_after_10_s(tmp_path, rl_model, kind):
+    mark = uuid.uuid4().hex
+    extra = 'kind = "server"' if kind == "server" else ""
+    proc, _ = run_until_step(tmp_path, write_config(tmp_path, rl_model, extra), mark)
+    try:
+        alive = marked(mark)
+        commands = " | ".join(cmd for _, cmd in alive)
+        assert "orchestrator.trainer.process" in commands, commands
+        if kind == "server":
+            assert "vllm.entrypoints.openai.api_server" in commands, commands
+        assert len(alive) >= 4, commands  # orchestrator, watchdog, trainer, engine processes
+        os.kill(proc.pid, signal.SIGKILL)  # the orchestrator alone, as the OOM killer would
+        proc.wait(10)
+        assert gone_within(mark, 10) == [], "processes outlived the run"
+    finally:
+        kill_marked(mark)
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_sigint_to_the_whole_process_group_stops_gracefully_and_leaves_nothing(tmp_path, rl_model):
+    from replay.log import read_records
+    from replay.records import ConsumptionRecord, RolloutRecord
+
+    mark = uuid.uuid4().hex
+    proc, run_dir = run_until_step(tmp_path, write_config(tmp_path, rl_model), mark)
+    try:
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+        code = proc.wait(300)
+        output = (tmp_path / "out.log").read_text()
+        assert code == 0, output[-4000:]
+        assert gone_within(mark, 10) == [], "processes outlived the run"
+    finally:
+        kill_marked(mark)
+    records = list(read_records(run_dir))  # strict: every record reads
+    steps = [r.step for r in records if isinstance(r, ConsumptionRecord)]
+    assert steps and steps == list(range(1, len(steps) + 1))
+    rollouts = [r.rollout_id for r in records if isinstance(r, RolloutRecord)]
+    assert len(rollouts) == len(set(rollouts))
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_second_ctrl_c_exits_130_at_once_and_still_leaves_nothing(tmp_path, rl_model):
+    """The second SIGINT skips the graceful stop (os._exit): only the watchdog is left to stop
+    the engine and the trainer."""
+    mark = uuid.uuid4().hex
+    proc, run_dir = run_until_step(tmp_path, write_config(tmp_path, rl_model), mark, step=1)
+    try:
+        os.kill(proc.pid, signal.SIGINT)
+        deadline = time.monotonic() + 60
+        while '"run.stopping"' not in (run_dir / "orchestrator.jsonl").read_text():
+            assert time.monotonic() < deadline and proc.poll() is None, "the first Ctrl-C did not start a stop"
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGINT)
+        assert proc.wait(60) == 130
+        assert gone_within(mark, 10) == [], "processes outlived the run"
+    finally:
+        kill_marked(mark)

@@ -1,0 +1,291 @@
+"""`inflight run` under misuse, before any engine starts: every user-facing failure exits 2 with
+one line naming the setting, path or cause (no traceback; `--log-format json` gets one JSON error
+event), a resume of a finished run exits 0 at once, and a run whose activations keep failing
+stops with the cause while /healthz reports it degraded.
+
+Everything here runs the real command in a subprocess (or the real run loop with the fake
+engine and trainer of `inflight bench orchestrator`); nothing starts a vLLM engine.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import anyio
+import msgspec
+import pytest
+
+from orchestrator import cli
+from orchestrator.config import RunConfig
+from orchestrator.errors import ConfigError, ModelError
+
+INFLIGHT = [sys.executable, "-m", "orchestrator.cli"]
+
+
+def inflight(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run([*INFLIGHT, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("inflight: error:")]
+
+
+def assert_one_named_error(out: subprocess.CompletedProcess, *names: str) -> str:
+    """Exit 2, exactly one `inflight: error:` line naming every one of `names`, no traceback."""
+    assert out.returncode == 2, (out.returncode, out.stderr[-3000:])
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    lines = error_lines(out.stderr)
+    assert len(lines) == 1, out.stderr[-3000:]
+    for name in names:
+        assert name in lines[0], lines[0]
+    return lines[0]
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def events(run_dir: Path) -> list[str]:
+    log = run_dir / "orchestrator.jsonl"
+    if not log.exists():
+        return []
+    return [json.loads(line)["event"] for line in log.read_text().splitlines() if line.startswith("{")]
+
+
+# -- the CLI's sorting of exceptions -------------------------------------------------------------
+def test_an_expected_error_inside_nested_exception_groups_exits_2_with_its_own_line(capsys):
+    error = ConfigError("http.port", "in use")
+    nested = BaseExceptionGroup("services", [ExceptionGroup("setup", [error])])
+    assert cli.exit_code(nested) == 2
+    assert capsys.readouterr().err.splitlines() == ["inflight: error: http.port: in use"]
+
+
+def test_an_interrupt_anywhere_in_a_group_exits_130(capsys):
+    group = BaseExceptionGroup("run", [ModelError("/m", "gone"), KeyboardInterrupt()])
+    assert cli.exit_code(group) == 130
+    assert "interrupted" in capsys.readouterr().err
+
+
+def test_a_bug_beside_an_expected_error_is_not_hidden():
+    group = ExceptionGroup("run", [ConfigError("a", "b"), ZeroDivisionError("bug")])
+    assert cli.exit_code(group) is None  # main re-raises it: the traceback is the user's clue
+    assert cli.exit_code(ZeroDivisionError("bug")) is None
+    assert cli.exit_code(SystemExit(3)) is None
+
+
+# -- config validation: what cannot train is refused, named ------------------------------------
+@pytest.mark.parametrize(("text", "names"), [
+    ("[sampling]\ntemperature = 0.0\n", ("sampling.temperature", "greedy")),
+    ("[sampling]\nmin_tokens = 4\n", ("sampling.min_tokens", "truncates")),
+    ("[trainer]\npublish_every = 6\n", ("trainer.publish_every", "scheduler.max_off_policy_steps = 4", "stall")),
+    ("[activation]\nmax_failures = 0\n", ("activation.max_failures",)),
+])
+def test_a_setting_that_cannot_train_exits_2_naming_it(tmp_path, text, names):
+    out = inflight("run", str(write(tmp_path / "bad.toml", text)), "--run-dir", str(tmp_path / "run"))
+    assert_one_named_error(out, *names)
+    assert not (tmp_path / "run" / "config.json").exists()
+
+
+def test_publish_every_up_to_the_staleness_bound_plus_one_is_accepted():
+    from orchestrator.config import SchedulerConfig, TrainerConfig
+
+    RunConfig(trainer=TrainerConfig(publish_every=5), scheduler=SchedulerConfig(max_off_policy_steps=4)).validate()
+
+
+def test_the_json_log_format_gets_one_json_error_event(tmp_path):
+    out = inflight("--log-format", "json", "run", str(write(tmp_path / "bad.toml", "[sampling]\ntemperature = 0\n")),
+                   "--run-dir", str(tmp_path / "run"))
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert not error_lines(out.stderr)
+    event = json.loads(out.stderr.strip().splitlines()[-1])
+    assert event["event"] == "error" and event["kind"] == "ConfigError"
+    assert event["error"].startswith("sampling.temperature:")
+
+
+# -- set-up errors -------------------------------------------------------------------------------
+def test_a_model_path_that_is_a_file_exits_2_naming_engine_model(tmp_path):
+    model = write(tmp_path / "model.safetensors", "not a directory")
+    config = write(tmp_path / "run.toml", f'[engine]\nmodel = "{model}"\n')
+    out = inflight("run", str(config), "--run-dir", str(tmp_path / "run"))
+    assert_one_named_error(out, "engine.model", str(model), "not a model directory")
+    assert not (tmp_path / "run" / "config.json").exists()
+
+
+def test_a_model_directory_refused_during_set_up_exits_2_with_one_line(tmp_path):
+    """Raised inside the run's task group (an ExceptionGroup on the way out), after the HTTP
+    server and the watchdog started: still one line, and nothing left running."""
+    model = tmp_path / "model"
+    model.mkdir()
+    write(model / "config.json", "{}")
+    write(model / "inflight_model.json", json.dumps({"preset": "tiny", "seed": 0}))
+    config = write(tmp_path / "run.toml", f'[engine]\nmodel = "{model}"\n[run]\nprogress = "plain"\n')
+    out = inflight("run", str(config), "--run-dir", str(tmp_path / "run"))
+    assert_one_named_error(out, str(model), "preset 'tiny'")
+    assert "engine.starting" not in events(tmp_path / "run")
+
+
+def test_an_http_port_in_use_exits_2_naming_http_port_before_anything_starts(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        config = write(tmp_path / "run.toml", f'[engine]\nmodel = "{tmp_path / "model"}"\n[http]\nport = {port}\n')
+        out = inflight("run", str(config), "--run-dir", str(tmp_path / "run"))
+    assert_one_named_error(out, "http.port", str(port))
+    # nothing started: no model built, no trainer, no engine; the same command can be rerun
+    assert not (tmp_path / "model").exists()
+    assert not {"engine.starting", "trainer.ready", "trainer.command"} & set(events(tmp_path / "run"))
+    assert not (tmp_path / "run" / "config.json").exists()
+
+
+# -- resume ----------------------------------------------------------------------------------
+def stored_run(run_dir: Path, config: RunConfig, steps_done: int) -> Path:
+    """A run directory as a finished run leaves it: its config, a checkpoint per step (only the
+    meta file is looked at), and a replay log consuming every step."""
+    from replay.log import ReplayLog
+    from replay.records import ConsumptionRecord
+
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.json").write_bytes(msgspec.json.encode(config))
+    for step in range(1, steps_done + 1):
+        checkpoint = run_dir / "trainer" / f"step-{step:08d}"
+        checkpoint.mkdir(parents=True)
+        (checkpoint / "meta.json").write_text("{}")
+    with ReplayLog.open(run_dir) as log:
+        for step in range(1, steps_done + 1):
+            log.append(ConsumptionRecord(step=step, rollout_ids=[step * 100], version=step))
+    return run_dir
+
+
+def test_resume_with_a_config_that_differs_names_the_keys(tmp_path):
+    run_dir = stored_run(tmp_path / "run", RunConfig().validate(), 1)
+    config = write(tmp_path / "other.toml", "[scheduler]\ngroup_size = 4\n[trainer]\nlr = 0.1\n")
+    out = inflight("run", str(config), "--run-dir", str(run_dir), "--resume")
+    assert_one_named_error(out, "--resume", "scheduler.group_size", "trainer.lr")
+
+
+def test_resume_of_a_finished_run_says_so_and_exits_0_starting_nothing(tmp_path):
+    run_dir = stored_run(tmp_path / "run", RunConfig().validate(), 3)
+    out = inflight("run", "--run-dir", str(run_dir), "--resume", "--max-steps", "3")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "already reached step 3" in out.stdout
+    assert not {"engine.starting", "trainer.command", "trainer.ready"} & set(events(run_dir))
+    assert not (run_dir / "run_id").exists()  # nothing of a run was begun
+    # the same, with the run's own config file given again: accepted, and finished
+    config = tmp_path / "same.toml"
+    config.write_text("")  # the embedded default, as stored
+    again = inflight("run", str(config), "--run-dir", str(run_dir), "--resume", "--max-steps", "2")
+    assert again.returncode == 0 and "already reached step 3" in again.stdout, again.stderr[-3000:]
+
+
+def test_a_finished_check_never_trusts_a_checkpoint_the_log_does_not_record(tmp_path):
+    from orchestrator.preflight import finished_steps
+
+    config = RunConfig().validate()
+    run_dir = stored_run(tmp_path / "run", config, 2)
+    assert finished_steps(run_dir, config, 2) == 2
+    assert finished_steps(run_dir, config, 3) is None
+    (run_dir / "trainer" / "step-00000003").mkdir()
+    (run_dir / "trainer" / "step-00000003" / "meta.json").write_text("{}")
+    # the trainer finished step 3 but the orchestrator died before recording it: a resume
+    # must run (it records step 3 from the checkpoint), not report the run finished
+    assert finished_steps(run_dir, config, 3) is None
+
+
+# -- activations that keep failing -------------------------------------------------------------
+def failing_stage_run(tmp_path, max_failures: int):
+    """The bench's fake engine and instant trainer, with every staging refused."""
+    from orchestrator.bench.orchestrator import BenchRun, fake_engine
+    from orchestrator.config import ActivationConfig
+    from orchestrator.fleet import Fleet
+    from orchestrator.loop import RunLoop
+
+    run = BenchRun(tmp_path, concurrency=32, rollouts=32 * 12)
+    run.config = msgspec.structs.replace(run.config, activation=ActivationConfig(max_failures=max_failures))
+    engine = fake_engine("fake-0")
+    inner = engine.collective_rpc
+
+    async def collective_rpc(method, args=(), kwargs=None, timeout=None):
+        if method == "swap_stage":
+            raise RuntimeError("injected: the staging area is full")
+        return await inner(method, args, kwargs, timeout)
+
+    engine.collective_rpc = collective_rpc
+    run.fleet = Fleet([engine])
+    run.loop = RunLoop(run)
+    run.run_id, run.state = "fake", "running"
+    return run
+
+
+@pytest.mark.timeout(120)
+async def test_activations_failing_n_times_stop_the_run_with_the_cause_and_healthz_says_degraded(tmp_path):
+    from orchestrator.run import Run, RunFailed
+
+    run = failing_stage_run(tmp_path, max_failures=3)
+    seen: list[dict] = []
+
+    async def watch_health() -> None:
+        while True:
+            health = Run._health(run)
+            if not health["ok"] and not seen:
+                seen.append(health)
+            await anyio.sleep(0.01)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(watch_health)
+        with anyio.fail_after(90):
+            await run.loop.main(run.scheduler.start())
+        tg.cancel_scope.cancel()
+    await run.recorder.flush()
+    run.recorder.close()
+    run.journal.close()
+    failure = run.loop.failure
+    assert failure is not None and "\n" not in failure
+    assert "activation failed 3 times in a row (activation.max_failures = 3)" in failure
+    assert "injected: the staging area is full" in failure
+    assert run.scheduler.done_steps < run.max_steps
+    # while it was failing (before the limit), /healthz said so, with the cause
+    assert seen and seen[0]["degraded"].startswith("activation failing: version ")
+    assert "injected: the staging area is full" in seen[0]["degraded"]
+    assert cli.exit_code(RunFailed(failure)) == 2
+
+
+@pytest.mark.timeout(120)
+async def test_a_successful_activation_clears_the_degraded_report(tmp_path):
+    run = failing_stage_run(tmp_path, max_failures=5)
+    engine = run.fleet.engines["fake-0"]
+    failing = engine.collective_rpc
+    calls = [0]
+
+    async def fail_once(method, args=(), kwargs=None, timeout=None):
+        if method == "swap_stage":
+            calls[0] += 1
+            if calls[0] == 1:
+                return await failing(method, args, kwargs, timeout)
+        return await type(engine).collective_rpc(engine, method, args, kwargs, timeout)
+
+    engine.collective_rpc = fail_once
+    from orchestrator.run import Run
+
+    degraded = []
+
+    async def watch_health() -> None:
+        while True:
+            degraded.append(not Run._health(run)["ok"])
+            await anyio.sleep(0.01)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(watch_health)
+        with anyio.fail_after(90):
+            await run.loop.main(run.scheduler.start())
+        tg.cancel_scope.cancel()
+    await run.recorder.flush()
+    run.recorder.close()
+    run.journal.close()
+    assert run.loop.failure is None and run.scheduler.done_steps == run.max_steps
+    assert any(degraded) and not degraded[-1]
