@@ -26,12 +26,13 @@ from orchestrator.config import TrainerConfig
 # keeps a wildly stale token from turning the ppo loss into inf.
 _MAX_LOG_RATIO = 20.0
 
-# The head runs on at most this many logits at once (64 MiB in fp32): tokens per chunk =
-# this // vocab (4096 for a 4096-token vocabulary, 110 for Qwen's 151,936). Smaller chunks
-# cost time: every chunk reads the whole head weight, and its backward adds a whole-head
-# gradient (measured on one CPU thread, vocab 151,936, hidden 128, 2048 tokens, forward and
-# backward: 14.2 s CPU at 27 tokens per chunk, 6.7 s at 110, 5.6 s at 441; 4.4 s unchunked).
-LOGIT_CHUNK_ELEMENTS = 1 << 24
+# The head runs on about this many logits at once (16 MiB in fp32): tokens per chunk = this //
+# vocab (1024 for a 4096-token vocabulary), but at least MIN_CHUNK_TOKENS: every chunk reads
+# the whole head weight and its backward adds a whole-head gradient, so thin chunks cost time
+# (one CPU thread, vocab 151,936, hidden 128, 2048 tokens, forward and backward: 14.2 s CPU at
+# 27 tokens per chunk, 6.7 s at 110, 5.6 s at 441, 4.4 s unchunked).
+LOGIT_CHUNK_ELEMENTS = 1 << 22
+MIN_CHUNK_TOKENS = 128
 # Config attributes of models whose logits are not head(body(x)): a transform after the head
 # (Gemma's soft-capping, Cohere's logit_scale, Granite's logits_scaling) or a scaling of the
 # hidden state before it (MiniCPM's dim_model_base). Such a model takes its full forward.
@@ -172,10 +173,11 @@ def completion_logprobs(model: torch.nn.Module, batch: PackedBatch, temperature:
 def head_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
                   chunk_tokens: int | None = None) -> torch.Tensor:
     """log softmax(head(hidden) / T) at `targets`, row by row ([N, H] -> [N] fp32), the head
-    applied to `chunk_tokens` rows at a time (default: LOGIT_CHUNK_ELEMENTS // vocab). Each chunk
-    is checkpointed, so the backward recomputes its logits instead of keeping every chunk's."""
+    applied to `chunk_tokens` rows at a time (default: LOGIT_CHUNK_ELEMENTS // vocab, at least
+    MIN_CHUNK_TOKENS). Each chunk is checkpointed, so the backward recomputes its logits
+    instead of keeping every chunk's."""
     vocab = head.weight.shape[0]
-    chunk = chunk_tokens or max(1, LOGIT_CHUNK_ELEMENTS // vocab)
+    chunk = chunk_tokens or max(MIN_CHUNK_TOKENS, LOGIT_CHUNK_ELEMENTS // vocab)
     train = torch.is_grad_enabled()
     parts = []
     # One pass even when there is no row: the result still hangs off the graph (a loss on it can

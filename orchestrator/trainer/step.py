@@ -141,7 +141,8 @@ def train_step_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     return StepResult(loss=sum(p[0] for p in parts) / max(data.tokens, 1), reward_mean=float(data.rewards.mean()),
                       metrics=metrics, rollout_ids=[s.rollout_id for s in samples],
                       advantages=data.advantages.tolist(),
-                      log_ratio_mean=[v for p in parts for v in p[2]], log_ratio_max_abs=[v for p in parts for v in p[3]])
+                      log_ratio_mean=[v for p in parts for v in p[2]],
+                      log_ratio_max_abs=[v for p in parts for v in p[3]])
 
 
 def _accumulate(model: torch.nn.Module, data: _Unpacked, indices: list[int], plan: list[list[int]],
