@@ -21,13 +21,23 @@ from tests.doc_snippets import snippets, write_snippets
 pytestmark = pytest.mark.timeout(300)
 
 
+@pytest.fixture(autouse=True)
+def _fresh_my_task():
+    """The guide's `my_task` and examples/my_task are two packages of one name: never reuse one."""
+    def forget():
+        for name in [m for m in sys.modules if m == "my_task" or m.startswith("my_task.")]:
+            del sys.modules[name]
+    forget()
+    yield
+    forget()
+
+
 @pytest.fixture
 def guide(tmp_path, monkeypatch):
     files = write_snippets(tmp_path)
     monkeypatch.chdir(tmp_path)
-    yield files
-    for name in [m for m in sys.modules if m == "my_task" or m.startswith("my_task.")]:
-        del sys.modules[name]
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the user's directory leaves with the test
+    return files
 
 
 @pytest.fixture(scope="module")
@@ -199,7 +209,8 @@ async def test_the_example_configs_build_their_tasks(name, tiny_model_dir, token
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    monkeypatch.chdir(root)  # the examples name their data relative to the repository root
+    monkeypatch.chdir(root)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the examples name their data relative to the repository root
     path = root / "examples" / name
     task = build(path, tiny_model_dir, tokenizer)
     prompt = await task.prompt(0)
