@@ -399,30 +399,23 @@ def _wide_vocab_model(out_dir: Path) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_measure_memory_and_time_before_and_after_on_the_small_preset(tmp_path):
-    """Prints the figures (the report's), 32 samples of prompt 16 + completion 64, each row in a
-    fresh process with glibc's mmap threshold fixed at 64 KiB (every tensor its own mapping,
-    unmapped when freed: the resident high-water mark is then the live tensors' peak, not the
-    allocator's leftovers; it costs both sides the same page faults). Asserts only memory: the
-    split path's logprob pass peaks lower than the old one, micro-batches lower still; time
-    depends on the machine's load and is not asserted."""
-    from orchestrator.model import build_model
-
-    small, _ = build_model(tmp_path / "small", preset="small", seed=0)
+def test_the_chunked_logprob_pass_peaks_far_lower_with_a_large_vocabulary(tmp_path):
+    """Memory only (time depends on the machine's load and is never asserted): tiny's body with
+    Qwen2's vocabulary, 32 samples of prompt 16 + completion 64, each row in a fresh process with
+    glibc's mmap threshold fixed at 64 KiB (every tensor its own mapping, unmapped when freed:
+    the resident high-water mark is then the live tensors' peak, not the allocator's leftovers).
+    The `small` preset's rows of docs/trainer.md come from the same `measure` (too slow for the
+    suite: `python -c "from tests.unit.test_trainer_efficiency import measure; ..."`)."""
     wide = _wide_vocab_model(tmp_path / "wide")
     rows = {}
-    for name, model_dir, mode, budget in (("small", small, "before", None), ("small", small, "after", None),
-                                          ("small", small, "after", 640), ("small", small, "hf", None),
-                                          ("wide", wide, "before", None), ("wide", wide, "after", None)):
+    for mode in ("before", "after"):
         code = ("import json; from tests.unit.test_trainer_efficiency import measure; "
-                f"print(json.dumps(measure({str(model_dir)!r}, {mode!r}, {budget!r})))")
+                f"print(json.dumps(measure({str(wide)!r}, {mode!r}, None)))")
         proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=900,
                               env={**os.environ, "TOKENIZERS_PARALLELISM": "false", "MALLOC_MMAP_THRESHOLD_": "65536"})
         assert proc.returncode == 0, proc.stderr[-3000:]
-        rows[name, mode, budget] = json.loads(proc.stdout.strip().splitlines()[-1])
-        print(name, json.dumps(rows[name, mode, budget]))
-    peak = {key: row["logprob_peak_extra_mib"] for key, row in rows.items()}
-    for name in ("small", "wide"):
-        assert rows[name, "after", None]["path"] == "split"
-        assert peak[name, "after", None] < peak[name, "before", None]
-    assert peak["small", "after", 640] < peak["small", "after", None]
+        rows[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
+        print(mode, json.dumps(rows[mode]))
+    assert rows["after"]["path"] == "split"
+    # measured 3,608 MiB before, 418 after: the fp32 [tokens, vocab] logits are gone
+    assert rows["after"]["logprob_peak_extra_mib"] < rows["before"]["logprob_peak_extra_mib"] / 3
