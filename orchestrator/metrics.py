@@ -34,6 +34,12 @@ class RunMetrics:
         self.tokens_per_s = Gauge("inflight_tokens_per_second", "Completion tokens per second over the last step",
                                   registry=r)
         self.tokens = Counter("inflight_completion_tokens", "Completion tokens of completed rollouts", registry=r)
+        self.dropped_stale_tokens = Counter(
+            "inflight_dropped_stale_tokens", "Completion tokens of rollouts dropped in flight or discarded for "
+            "staleness (what they had generated)", registry=r)
+        # Completed rollouts not yet consumed or discarded -> their completion tokens: what a stale
+        # discard (which names only rollout ids) threw away. Entries leave with their rollout.
+        self._unsettled_tokens: dict[int, int] = {}
         self.loop_lag = Gauge("inflight_event_loop_lag_seconds", "How late the event loop woke a 0.25 s sleep",
                               registry=r)
         self.trainer_step = Gauge("inflight_trainer_step", "Trainer optimizer steps done", registry=r)
@@ -48,7 +54,7 @@ class RunMetrics:
 
     def on_record(self, record) -> None:
         """Called for every record the run writes."""
-        from replay.records import ActivationRecord, Dropped, Errored, RolloutRecord
+        from replay.records import DISCARD_STALE, DROP_STALE, ActivationRecord, Dropped, Errored, RolloutRecord
 
         if isinstance(record, RolloutRecord):
             status = record.status
@@ -56,6 +62,9 @@ class RunMetrics:
             self.rollouts.labels(record.status_name, reason).inc()
             if record.status_name == "completed":
                 self.tokens.inc(record.num_completion_tokens)
+                self._unsettled_tokens[record.rollout_id] = record.num_completion_tokens
+            elif reason == DROP_STALE and isinstance(status, Dropped):
+                self.dropped_stale_tokens.inc(record.num_completion_tokens)
         elif isinstance(record, ActivationRecord):
             self.activations.labels(record.outcome).inc()
             for engine in record.engines:
@@ -63,6 +72,12 @@ class RunMetrics:
                 self.activation.labels("pause").observe(engine.pause_s)
         elif type(record).__name__ == "DiscardRecord":
             self.discarded.labels(record.reason).inc(len(record.rollout_ids))
+            tokens = sum(self._unsettled_tokens.pop(rid, 0) for rid in record.rollout_ids)
+            if record.reason == DISCARD_STALE:
+                self.dropped_stale_tokens.inc(tokens)
+        elif type(record).__name__ == "ConsumptionRecord":
+            for rid in record.rollout_ids:
+                self._unsettled_tokens.pop(rid, None)
 
     def on_step(self, step: int, staleness: list[int], in_flight_lag: list[int], reward: float | None,
                 components: dict[str, float] | None = None) -> None:

@@ -8,9 +8,12 @@ are tested over random event sequences (tests/unit/test_scheduler.py):
 * every dispatched rollout gets exactly one `Terminal` (completed / dropped(reason) /
   errored(kind)), and nothing else does;
 * no sample reaches the trainer beyond `max_off_policy_steps`: a batch for step s only holds
-  rollouts dispatched at version v with (s - 1) - v <= max_off_policy_steps;
+  rollouts dispatched at version v with (s - 1) - v <= max_off_policy_steps (by majority: v is
+  the version of more than half of the rollout's tokens);
 * admission keeps the rollouts dispatched but not yet consumed (in flight or completed and
-  waiting) within (max_off_policy_steps + 1) x batch size;
+  waiting) within (max_off_policy_steps + 1) x batch size; with `admission = "just_in_time"`
+  it admits within that bound only what the trainer's next steps need in time
+  (`orchestrator.scheduler_pacing`: paced by the `at` times the events carry);
 * a completed rollout is consumed at most once, or discarded at most once, never both.
 
 Versions and steps (one convention, docs/architecture.md): the base model is version 0; trainer step s
@@ -22,7 +25,10 @@ least-loaded serving engines; an errored member is replaced by a new rollout in 
 (at most `max_retries` times per group, then the group is dropped: its in-flight members are
 aborted and its completed ones discarded, reason "group_failed"). A group that can no longer
 reach a trainer step within the staleness bound is dropped at once: in-flight members are
-aborted (`dropped: stale`), completed ones discarded (`stale`).
+aborted (`dropped: stale`), completed ones discarded (`stale`). With `staleness_by = "majority"`
+the bound applies to each completed member's majority version (`Finished.majority_version`, the
+version of more than half its tokens) instead of the group's dispatched version; a member still
+in flight is then never judged (its majority version is not known yet).
 
 Rollout ids are `group_id * ROLLOUT_ID_STRIDE + k` (k counts the group's dispatches), so ids
 are unique per run and deterministic: the prompt of a group is the task's prompt number
@@ -35,6 +41,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from orchestrator.config import SchedulerConfig
+from orchestrator.scheduler_pacing import Pacer
 
 ROLLOUT_ID_STRIDE = 10_000
 
@@ -61,6 +68,7 @@ from orchestrator.scheduler_messages import (  # noqa: F401 - the scheduler's vo
     Terminal,
     TrainerLost,
     VersionLive,
+    majority_version,
 )
 
 
@@ -72,6 +80,7 @@ class _Member:
     version: int
     state: str = "inflight"  # inflight, completed, ended (dropped or errored)
     abort_reason: str | None = None
+    bound: int | None = None  # the version the staleness bound applies to, once completed
 
 
 @dataclass
@@ -100,6 +109,11 @@ class _Group:
 class RestoredRollout:
     rollout_id: int
     version: int
+    majority: int | None = None  # its majority version (`scheduler_messages.majority_version`), if known
+
+    @property
+    def bound_version(self) -> int:
+        return self.version if self.majority is None else max(self.version, self.majority)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -151,6 +165,8 @@ class Scheduler:
         self._refill_due: set[int] = set()
         self._swept_for: int | None = None
         self._batch_groups: tuple[int, ...] = ()
+        self.pacer = Pacer(config.batch_groups)
+        self.by_majority = config.staleness_by == "majority"
 
     # -- queries -----------------------------------------------------------------------------
     @property
@@ -198,7 +214,8 @@ class Scheduler:
             group = _Group(r.group_id, version, dispatched=r.dispatched, retries=r.retries)
             for rollout in r.completed:
                 group.members[rollout.rollout_id] = _Member(rollout.rollout_id, r.group_id, None,
-                                                            rollout.version, state="completed")
+                                                            rollout.version, state="completed",
+                                                            bound=rollout.bound_version)
             group.n_live = group.n_completed = len(r.completed)
             self._live += group.n_live
             self._add_group(group)
@@ -208,11 +225,13 @@ class Scheduler:
                 self._refill_due.add(group.group_id)
             self.next_group_id = max(self.next_group_id, r.group_id + 1)
 
-    def start(self) -> list[Action]:
-        return self._sweep_stale() + self._refill_all() + self._admit() + self._submit()
+    def start(self, at: float | None = None) -> list[Action]:
+        self.pacer.observe(at)
+        return self._sweep_stale() + self._refill_all() + self._admit_and_submit()
 
     # -- events ------------------------------------------------------------------------------
     def handle(self, event: Event) -> list[Action]:
+        self.pacer.observe(event.at)
         if isinstance(event, Finished):
             actions = self._finished(event)
         elif isinstance(event, EngineDown):
@@ -223,6 +242,8 @@ class Scheduler:
             self.down.discard(event.engine)
             actions = []
         elif isinstance(event, VersionLive):
+            if event.version > self.live:
+                self.pacer.version_live(event.version)
             self.live = max(self.live, event.version)
             actions = []
         elif isinstance(event, StepDone):
@@ -235,7 +256,14 @@ class Scheduler:
             raise SchedulerError(f"unknown event {event!r}")
         if self.stopping:
             return actions
-        return actions + self._sweep_stale() + self._refill_all() + self._admit() + self._submit()
+        return actions + self._sweep_stale() + self._refill_all() + self._admit_and_submit()
+
+    def _admit_and_submit(self) -> list[Action]:
+        actions = self._admit()
+        submitted = self._submit()
+        # A batch handed over moves just-in-time admission on by a step (eager: the bound counts
+        # that batch until its step is done, so nothing changes).
+        return actions + submitted + (self._admit() if submitted else [])
 
     def _finished(self, event: Finished) -> list[Action]:
         member = self.rollouts.pop(event.rollout_id, None)
@@ -253,13 +281,19 @@ class Scheduler:
     def _outcome(self, member: _Member, group: _Group, event: Finished) -> list[Action]:
         if event.outcome == "completed":
             self._member_state(member, group, "completed")
+            member.bound = member.version
+            if self.by_majority and event.majority_version is not None:
+                member.bound = max(member.version, event.majority_version)
             actions: list[Action] = [Terminal(rollout_id=member.rollout_id, status="completed")]
             if group.state == "dead":  # aborted too late: it finished first, nobody will consume it
                 self._member_state(member, group, "ended")
                 actions.append(Discard(rollout_ids=(member.rollout_id,), reason=group.dead_reason or STALE,
                                        step=self.next_step))
+            elif self.by_majority and self.staleness_for(self.next_step, member.bound) > self.k:
+                actions += self._kill_group(group, STALE)  # its majority is too old already
             elif group.n_completed == self.n and group.state == "open":
                 self._set_state(group, "complete")
+                self.pacer.group_complete(group.group_id)
             return actions
         self._member_state(member, group, "ended")
         if event.outcome == "aborted":
@@ -287,6 +321,7 @@ class Scheduler:
             raise SchedulerError(f"step {event.step} done, but the trainer holds {self.batch_step}")
         self.done_steps = event.step
         self.batch_step = None
+        self.pacer.step_done(event.version)
         if event.version is not None:
             self.published = max(self.published, event.version)
         self._drop_consumed()
@@ -303,6 +338,7 @@ class Scheduler:
         if self.batch_step is None or event.step != self.batch_step:
             return []
         lost = self._batch
+        self.pacer.trainer_lost()
         self._drop_consumed()
         self.batch_step, self._batch = None, ()
         self.submitted_steps = self.done_steps
@@ -328,14 +364,27 @@ class Scheduler:
             return actions
         self._swept_for = step
         for group in list(self.groups.values()):
-            if group.state in ("open", "complete") and self.staleness_for(step, group.version) > self.k:
+            if group.state not in ("open", "complete"):
+                continue
+            bound = self._bound_version(group)
+            if bound is not None and self.staleness_for(step, bound) > self.k:
                 actions += self._kill_group(group, STALE)
         return actions
+
+    def _bound_version(self, group: _Group) -> int | None:
+        """The version the staleness bound applies to for `group`: the version it was dispatched
+        at; by majority, the oldest majority version among its completed members (None: none
+        completed yet, nothing to judge)."""
+        if not self.by_majority:
+            return group.version
+        bounds = [m.bound for m in group.completed() if m.bound is not None]
+        return min(bounds) if bounds else None
 
     def _kill_group(self, group: _Group, reason: str) -> list[Action]:
         self._set_state(group, "dead")
         group.dead_reason = reason
         self._refill_due.discard(group.group_id)
+        self.pacer.group_gone(group.group_id)
         actions: list[Action] = []
         done = tuple(m.rollout_id for m in group.completed())
         for m in group.completed():
@@ -404,22 +453,37 @@ class Scheduler:
         while (self._groups_needed() > 0
                and self.outstanding + self.n <= self.admission_bound
                and self.inflight + self.n <= self.config.max_inflight
-               and self._fresh_when_consumed()):
+               and self._fresh_when_consumed()
+               and self._needed_in_time()):
             actions += self._new_group()
         return actions
+
+    def _turn(self) -> int:
+        """The step a group admitted now would be consumed by (oldest first, a batch at a time)."""
+        return self.done_steps - (-(self.outstanding + self.n) // self.batch_size)
+
+    def _needed_in_time(self) -> bool:
+        """Just-in-time admission: is a group admitted now needed now, or would it be ready in
+        time if it waited for the next version (fresher samples)? Eager: always needed."""
+        if self.config.admission == "eager":
+            return True
+        holding = self.batch_step is not None
+        return self.pacer.needed_now(self._turn(), holding=holding,
+                                     base=self.batch_step if holding else self.done_steps,
+                                     live=self.live, published=self.published)
 
     def _fresh_when_consumed(self) -> bool:
         """Would a group admitted now still be within the bound when its turn comes? Groups are
         consumed oldest first, a batch at a time, so its step is at most done_steps +
         ceil((outstanding + group_size) / batch_size). While versions go live promptly (live ==
         done_steps) this is the (k + 1) x batch size bound; a lagging activation tightens it."""
-        turn = self.done_steps - (-(self.outstanding + self.n) // self.batch_size)
-        return self.staleness_for(turn, self.live) <= self.k
+        return self.staleness_for(self._turn(), self.live) <= self.k
 
     def _new_group(self) -> list[Action]:
         group = _Group(self.next_group_id, self.live)
         self.next_group_id += 1
         self._add_group(group)
+        self.pacer.group_dispatched(group.group_id)
         return self._refill(group)
 
     def _refill_all(self) -> list[Action]:
@@ -463,7 +527,8 @@ class Scheduler:
         step = self.done_steps + 1
         if len(self._complete) < self.config.batch_groups:
             return []
-        ready = sorted((g for g in self._complete.values() if self.staleness_for(step, g.version) <= self.k),
+        ready = sorted((g for g in self._complete.values()
+                        if self.staleness_for(step, self._bound_version(g)) <= self.k),
                        key=lambda g: g.group_id)
         if len(ready) < self.config.batch_groups:
             return []
@@ -474,6 +539,7 @@ class Scheduler:
             rollout_ids += sorted(m.rollout_id for m in group.completed())
         self._batch_groups = tuple(g.group_id for g in chosen)
         self.batch_step = step
+        self.pacer.submitted()
         self.submitted_steps = step
         self._batch = tuple(rollout_ids)
         return [SubmitBatch(step=step, group_ids=tuple(g.group_id for g in chosen), rollout_ids=tuple(rollout_ids))]

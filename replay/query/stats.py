@@ -108,6 +108,8 @@ def compute_stats(columns: Columns, filters: Filters | None = None) -> dict[str,
     tokens = columns.n_tokens[with_tokens]
     stale_in_flight = _dropped_for(columns, mask, DROP_STALE)
     stale_completed = _discarded_for(columns, mask, DISCARD_STALE)
+    stale_rows = _stale_rows(columns, mask)
+    stale_tokens = int(columns.n_tokens[stale_rows].sum())
     return {
         "filters": msgspec.to_builtins(filters),
         "rollouts": _status_counts(columns, mask),
@@ -120,6 +122,9 @@ def compute_stats(columns: Columns, filters: Filters | None = None) -> dict[str,
         "token_share_by_lag": _token_share_by_lag(columns, consumed_rows),
         "dropped_for_staleness": stale_in_flight + stale_completed,
         "stale": {"in_flight": stale_in_flight, "completed": stale_completed},
+        "dropped_stale_tokens": stale_tokens,
+        "dropped_stale_token_share": _fraction(stale_tokens, int(columns.n_tokens[mask].sum())),
+        "dropped_stale_by_length": _stale_by_length(columns, mask, stale_rows),
         "dropped_by_reason": _detail_counts(columns.detail[mask & (columns.status == 1)],
                                             columns.drop_reasons),
         "discarded_by_reason": _detail_counts(columns.discarded[mask & (columns.discarded != NOT_DISCARDED)],
@@ -176,6 +181,47 @@ def _discarded_for(columns: Columns, mask: np.ndarray, reason: str) -> int:
         return 0
     code = columns.discard_reasons.index(reason)
     return int((mask & (columns.discarded == code)).sum())
+
+
+def _stale_rows(columns: Columns, mask: np.ndarray) -> np.ndarray:
+    """Rollouts dropped in flight for staleness or completed and discarded as stale."""
+    rows = np.zeros(columns.rows, dtype=bool)
+    if DROP_STALE in columns.drop_reasons:
+        rows |= (columns.status == 1) & (columns.detail == columns.drop_reasons.index(DROP_STALE))
+    if DISCARD_STALE in columns.discard_reasons:
+        rows |= columns.discarded == columns.discard_reasons.index(DISCARD_STALE)
+    return rows & mask
+
+
+def _stale_by_length(columns: Columns, mask: np.ndarray, stale_rows: np.ndarray) -> list[dict[str, Any]]:
+    """Per bucket of completion length (0, then powers of two: 1, 2-3, 4-7, ...): rollouts and
+    completion tokens generated, and those dropped or discarded for staleness. A rollout dropped
+    in flight counts with the tokens it had when it was cut."""
+    lengths = columns.n_tokens[mask]
+    if len(lengths) == 0:
+        return []
+    buckets = np.zeros(len(lengths), np.int64)
+    positive = lengths > 0
+    buckets[positive] = np.floor(np.log2(lengths[positive])).astype(np.int64) + 1
+    dropped = stale_rows[mask]
+    width = int(buckets.max()) + 1
+
+    def count(weights: np.ndarray | None = None, where: np.ndarray | None = None) -> list[int]:
+        keys = buckets if where is None else buckets[where]
+        w = None if weights is None else (weights if where is None else weights[where]).astype(np.float64)
+        return np.bincount(keys, weights=w, minlength=width).astype(np.int64).tolist()
+
+    rollouts, tokens = count(), count(lengths)
+    dropped_rollouts, dropped_tokens = count(where=dropped), count(lengths, dropped)
+    out = []
+    for b in range(width):
+        if not rollouts[b]:
+            continue
+        low, high = (0, 0) if b == 0 else (2 ** (b - 1), 2 ** b - 1)
+        out.append({"min_tokens": low, "max_tokens": high, "rollouts": rollouts[b], "tokens": tokens[b],
+                    "dropped_rollouts": dropped_rollouts[b], "dropped_tokens": dropped_tokens[b],
+                    "dropped_token_share": _fraction(dropped_tokens[b], tokens[b])})
+    return out
 
 
 def _detail_counts(details: np.ndarray, names: list[str]) -> dict[str, int]:

@@ -3,6 +3,8 @@
 A small world performs its actions: dispatched rollouts sit on an engine until the test
 finishes them (completed, errored, aborted), engines die and come back, the trainer takes a
 batch and steps, versions go live some time after they were published, and the run stops.
+Events carry a random, increasing `at` (so just-in-time admission paces on them) and completed
+rollouts a majority version between their dispatched version and the live one.
 """
 
 from __future__ import annotations
@@ -46,7 +48,13 @@ class World:
         self.aborted: set[int] = set()  # abort sent, not yet finished
         self.batch: SubmitBatch | None = None
         self.published: list[int] = [0]
-        self.apply(self.s.start())
+        self.clock = 0.0
+        self.majority: dict[int, int] = {}
+        self.apply(self.s.start(at=self.clock))
+
+    def at(self, n: int) -> float:
+        self.clock += (n % 7) * 0.5
+        return self.clock
 
     def apply(self, actions) -> None:
         for a in actions:
@@ -73,7 +81,10 @@ class World:
                     assert rid in self.completed, "a batch holds a rollout that did not complete"
                     assert rid not in self.consumed and rid not in self.discarded
                     staleness = (a.step - 1) - self.dispatched[rid].version
-                    assert 0 <= staleness <= self.config.max_off_policy_steps, staleness
+                    assert staleness >= 0, staleness
+                    if self.config.staleness_by == "majority":
+                        staleness = (a.step - 1) - self.majority[rid]
+                    assert staleness <= self.config.max_off_policy_steps, staleness
                     self.consumed[rid] = a.step
                 self.batch = a
             elif isinstance(a, Discard):
@@ -99,19 +110,22 @@ class World:
         if outcome == "aborted" and rid not in self.aborted and rid % 3:
             outcome = "completed"  # mostly, only rollouts we aborted come back aborted
         self.aborted.discard(rid)
-        self.apply(self.s.handle(Finished(rollout_id=rid, outcome=outcome, kind="engine_died")))
+        version = self.dispatched[rid].version
+        self.majority[rid] = version + index % (self.s.live - version + 1)
+        self.apply(self.s.handle(Finished(rollout_id=rid, outcome=outcome, kind="engine_died", at=self.at(index),
+                                          majority_version=self.majority[rid])))
 
     def step(self) -> None:
         if self.batch is None:
             return
         step, self.batch = self.batch.step, None
         self.published.append(step)
-        self.apply(self.s.handle(StepDone(step=step, version=step)))
+        self.apply(self.s.handle(StepDone(step=step, version=step, at=self.at(step))))
 
     def activate(self) -> None:
         newer = [v for v in self.published if v > self.s.live]
         if newer:
-            self.apply(self.s.handle(VersionLive(version=newer[0])))
+            self.apply(self.s.handle(VersionLive(version=newer[0], at=self.at(newer[0]))))
 
 
 events = st.lists(st.tuples(st.sampled_from(["complete", "complete", "complete", "error", "abort", "step",
@@ -119,7 +133,9 @@ events = st.lists(st.tuples(st.sampled_from(["complete", "complete", "complete",
                             st.integers(0, 1000)), max_size=250)
 configs = st.builds(SchedulerConfig, group_size=st.integers(2, 4), batch_groups=st.integers(1, 3),
                     max_off_policy_steps=st.integers(0, 3), max_inflight=st.integers(8, 24),
-                    max_retries=st.integers(0, 2), mode=st.sampled_from(["async", "sync"]))
+                    max_retries=st.integers(0, 2), mode=st.sampled_from(["async", "sync"]),
+                    admission=st.sampled_from(["just_in_time", "eager"]),
+                    staleness_by=st.sampled_from(["dispatch", "majority"]))
 
 
 @settings(max_examples=300, deadline=None)
@@ -253,7 +269,8 @@ def test_restored_groups_are_refilled_with_new_ids_and_consumed():
     assert submit and submit[0].step == 2 and set(submit[0].rollout_ids) == {40000, 40002}
 
 
-@pytest.mark.parametrize("bad", [dict(group_size=1), dict(max_inflight=2, group_size=4), dict(max_retries=-1)])
+@pytest.mark.parametrize("bad", [dict(group_size=1), dict(max_inflight=2, group_size=4), dict(max_retries=-1),
+                                 dict(admission="lazy"), dict(staleness_by="median")])
 def test_bad_scheduler_settings_are_named(bad):
     from orchestrator.errors import ConfigError
 
