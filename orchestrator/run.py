@@ -230,7 +230,7 @@ class Run:
         self._start_http()
         self._start_tracking()
         self.progress.state.status = "running"
-        return self.scheduler.start()
+        return self.scheduler.start(at=time.monotonic())
 
     async def _evaluator(self, model_dir: str):
         """The held-out evaluation ([eval] every_steps > 0), its prompts built and checked now."""

@@ -116,7 +116,8 @@ def test_without_times_just_in_time_runs_one_batch_ahead():
     def dispatched(actions) -> list[int]:
         return [a.rollout_id for a in actions if isinstance(a, Dispatch)]
 
-    config = SchedulerConfig(group_size=2, batch_groups=1, max_off_policy_steps=4, max_inflight=64)
+    config = SchedulerConfig(group_size=2, batch_groups=1, max_off_policy_steps=4, max_inflight=64,
+                             admission="just_in_time")
     s = Scheduler(config, ["e0"], max_steps=5)
     first = dispatched(s.start())
     assert len(first) == 2  # one batch, though the bound allows five
