@@ -283,6 +283,10 @@ def digits_speedup(steps: int) -> dict:
             last = next(x for x in reversed(lines) if x.get("event") == "trainer.step_done")
             out[mode] = {"wall_s": time.perf_counter() - started,
                          "steps_per_min": 60 * (steps - 1) / (_t(last) - _t(first))}
+            if mode == "async":  # the share of generated tokens dropped as too stale (issue 18)
+                from replay.query import stats_from_log
+
+                out["dropped_stale_token_share"] = stats_from_log(Path(tmp) / "run")["dropped_stale_token_share"]
     out["async_speedup"] = out["async"]["steps_per_min"] / out["sync"]["steps_per_min"]
     return out
 
