@@ -31,6 +31,9 @@ def make_task(config: TaskConfig, model_dir: str, *, search_path: list[str] | No
         if config.rewards:
             raise ConfigError(f"{where}.rewards", f"the built-in task {config.name!r} has its own reward; "
                                                   "rewards apply to a dataset or an entrypoint")
+        if config.chat_template and getattr(tokenizer, "chat_template", None) is None:
+            raise ConfigError(f"{where}.chat_template", "the model's tokenizer has no chat template: set "
+                                                        "chat_template = false to tokenize prompts as they are")
         return TASKS[config.name](tokenizer, config)
     from orchestrator.tasks.rows import RowTask
 

@@ -71,6 +71,8 @@ class Task(abc.ABC):
         return random.Random(f"{self.name}:{self.config.seed}:{index}")
 
     def encode(self, text: str) -> tuple[int, ...]:
+        if not self.config.chat_template:  # a model without a chat template: the text as it is
+            return tuple(int(t) for t in self.tokenizer.encode(text, add_special_tokens=False))
         return self.encode_messages([{"role": "user", "content": text}])
 
     def encode_messages(self, messages: list[dict]) -> tuple[int, ...]:

@@ -266,3 +266,23 @@ async def test_a_scoring_worker_copy_reads_no_rows_and_scores_the_same(guide, ti
     prompt = await full.prompt(2)
     completion = ids(tokenizer, prompt.row["answer"] + " and more")
     assert await worker.score(prompt, completion) == await full.score(prompt, completion)
+
+
+async def test_a_model_without_a_chat_template_needs_chat_template_false(tmp_path, tiny_model_dir, tokenizer):
+    import copy
+
+    import msgspec
+
+    from orchestrator.config import TaskConfig
+
+    bare = copy.deepcopy(tokenizer)
+    bare.chat_template = None
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "Write digits: 1 2", "answer": "12"}\n')
+    for config in (TaskConfig(), TaskConfig(dataset=str(data), rewards=[{"fn": "exact"}])):
+        with pytest.raises(ConfigError) as err:
+            make_task(config, str(tiny_model_dir), tokenizer=bare)
+        assert err.value.field == "task.chat_template"
+        raw = make_task(msgspec.structs.replace(config, chat_template=False), str(tiny_model_dir), tokenizer=bare)
+        prompt = await raw.prompt(0)
+        assert bare.decode(list(prompt.token_ids)) == prompt.text  # the text as it is, no template
