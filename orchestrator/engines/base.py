@@ -104,6 +104,14 @@ def spans_from_versions(versions: Sequence[int]) -> list[VersionSpan]:
     return spans
 
 
+# torch's inductor checks the CPU's vector ISA once per process by compiling a probe and dlopen-ing
+# it in a child Python; in an engine worker under load that child was seen to hang for its full
+# 60 s (twice on 2026-12-01: the engine's first requests stalled, "VecISA dlopen probe for avx512
+# hung after 60s"). The ISAs are still taken from the CPU's own flags (cpuid); only the probe is
+# skipped. A user's own setting wins.
+SKIP_ISA_PROBE = {"TORCHINDUCTOR_VEC_ISA_OK": "1"}
+
+
 class Engine(abc.ABC):
     """One inference engine. Safe to call from one asyncio event loop."""
 

@@ -11,6 +11,7 @@ import anyio
 from orchestrator.config import EngineConfig
 from orchestrator.engines.base import (
     PAUSE_MODES,
+    SKIP_ISA_PROBE,
     Engine,
     PauseMode,
     SamplingSettings,
@@ -60,6 +61,8 @@ class InProcessEngine(Engine):
         check_model_dir(self.config.model)
         # Read by the CPU worker when it sizes its KV cache; must be set before it starts.
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(self.config.kv_cache_gib)))
+        for key, value in SKIP_ISA_PROBE.items():  # inherited by the engine core and worker
+            os.environ.setdefault(key, value)
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 

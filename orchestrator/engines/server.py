@@ -34,6 +34,7 @@ import httpx
 from orchestrator.config import EngineConfig
 from orchestrator.engines.base import (
     PAUSE_MODES,
+    SKIP_ISA_PROBE,
     Engine,
     PauseMode,
     SamplingSettings,
@@ -151,7 +152,7 @@ class ServerEngine(Engine):
         log_dir = self._log_dir or Path(tempfile.mkdtemp(prefix="inflight-engine-"))
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"{self.engine_id}.log"
-        env = dict(os.environ)
+        env = {**SKIP_ISA_PROBE, **os.environ}
         env["VLLM_SERVER_DEV_MODE"] = "1"
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(self.config.kv_cache_gib)))
         with open(self.log_path, "ab") as log_file:

@@ -133,7 +133,7 @@ async def under_load(fleet, activate: Callable, *, n: int = 4, min_tokens: int =
     async with anyio.create_task_group() as tg:
         for i in range(n):
             tg.start_soon(stream, i)
-        with anyio.move_on_after(120):
+        with anyio.move_on_after(300):  # an engine worker sharing core 0 with others can be starved for a minute
             while sum(t.n_tokens >= min_tokens for t in fleet.tracks.values()) < n:
                 await anyio.sleep(0.005)
         if sum(t.n_tokens >= min_tokens for t in fleet.tracks.values()) < n:
