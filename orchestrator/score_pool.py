@@ -39,7 +39,7 @@ import anyio
 
 from orchestrator.errors import ConfigError, InflightError, ModelError
 from orchestrator.score_worker import FRAME, READ_SIZE
-from orchestrator.scoring import REWARD_ERROR, REWARD_TIMEOUT, ScoreFailed, _one_line
+from orchestrator.score_outcome import REWARD_ERROR, REWARD_TIMEOUT, ScoreFailed, one_line
 
 START_TIMEOUT_S = 600.0  # a builder may read a dataset and load a tokenizer
 STOP_GRACE_S = 2.0  # an idle worker exits on its job pipe's EOF within this
@@ -178,7 +178,7 @@ class ScorePool:
         try:
             self._builder_bytes = pickle.dumps(self.builder, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as exc:  # noqa: BLE001 - a lambda or closure: say what cannot travel
-            raise ConfigError(self.where, f"the task cannot be sent to a scoring process: {_one_line(exc)}") from None
+            raise ConfigError(self.where, f"the task cannot be sent to a scoring process: {one_line(exc)}") from None
         deadline = time.monotonic() + self.start_timeout_s
         try:
             for slot in range(self.workers):
@@ -225,7 +225,7 @@ class ScorePool:
             job = pickle.dumps((prompt, list(completion_token_ids)), protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as exc:  # noqa: BLE001 - e.g. a row holding an open file
             raise ScoreFailed(REWARD_ERROR, "the prompt cannot be sent to a scoring process: "
-                                            + _one_line(exc)) from None
+                                            + one_line(exc)) from None
         async with self._limit:
             slot = self._idle.pop()
             try:
@@ -272,7 +272,7 @@ class ScorePool:
                 if self._slots[slot] is not None:
                     self._kill_now(slot, self._slots[slot])
                 if isinstance(exc, Exception):  # the builder failed this time, or no process could start
-                    raise ScoreFailed(REWARD_ERROR, f"a scoring process could not restart: {_one_line(exc)}") from None
+                    raise ScoreFailed(REWARD_ERROR, f"a scoring process could not restart: {one_line(exc)}") from None
                 raise
         return worker
 

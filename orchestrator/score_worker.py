@@ -15,7 +15,7 @@ import sys
 from collections.abc import Iterator
 
 from orchestrator.errors import ConfigError, InflightError, ModelError
-from orchestrator.scoring import REWARD_ERROR, ScoreFailed, _one_line, checked
+from orchestrator.score_outcome import REWARD_ERROR, ScoreFailed, checked, one_line
 
 FRAME = struct.Struct("!I")  # each message: its length, then the pickle
 READ_SIZE = 1 << 16  # per read(): a larger buffer costs an mmap per call
@@ -54,7 +54,7 @@ def _answer(task, job: bytes) -> bytes:
     except ScoreFailed as exc:
         return pickle.dumps(("failed", exc.kind, exc.message))
     except Exception as exc:  # noqa: BLE001 - a task's bug errors one rollout, not the run
-        return pickle.dumps(("failed", REWARD_ERROR, _one_line(exc)))
+        return pickle.dumps(("failed", REWARD_ERROR, one_line(exc)))
 
 
 def _frames(fd: int) -> Iterator[bytes]:
@@ -110,4 +110,4 @@ def _encode_start_error(exc: BaseException) -> tuple:
             return ("pickled", data)
         except Exception:  # noqa: BLE001 - it does not round-trip: say it in words
             pass
-    return ("other", f"building the task in a scoring process failed: {_one_line(exc)}")
+    return ("other", f"building the task in a scoring process failed: {one_line(exc)}")

@@ -12,20 +12,11 @@ then recorded `errored(<kind>)` with the message, and the run goes on.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 
 import anyio
 
-REWARD_ERROR = "reward_error"
-REWARD_TIMEOUT = "reward_timeout"
-
-
-class ScoreFailed(Exception):
-    def __init__(self, kind: str, message: str) -> None:
-        self.kind = kind
-        self.message = message
-        super().__init__(f"{kind}: {message}")
+from orchestrator.score_outcome import REWARD_ERROR, REWARD_TIMEOUT, ScoreFailed, checked, one_line
 
 
 class Scorer:
@@ -49,7 +40,7 @@ class Scorer:
             raise ScoreFailed(REWARD_TIMEOUT, f"scoring took longer than task.score_timeout_s "
                                               f"({self.timeout_s:g} s)") from None
         except Exception as exc:  # noqa: BLE001 - a task's bug errors one rollout, not the run
-            raise ScoreFailed(REWARD_ERROR, _one_line(exc)) from None
+            raise ScoreFailed(REWARD_ERROR, one_line(exc)) from None
         return checked(rewards)
 
 
@@ -70,22 +61,3 @@ def make_scorer(task, *, pool: str, workers: int, timeout_s: float, builder: Cal
     from orchestrator.errors import ConfigError
 
     raise ConfigError(f"{where}.score_pool", f"must be \"process\" or \"thread\", got {pool!r}")
-
-
-def checked(rewards) -> dict[str, float]:
-    """The scores as floats; a missing or non-finite "reward" is a reward_error."""
-    if not isinstance(rewards, dict):
-        raise ScoreFailed(REWARD_ERROR, f"the task's score is a {type(rewards).__name__}, not a dict")
-    out = {}
-    for name, value in rewards.items():
-        if not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ScoreFailed(REWARD_ERROR, f"score {name!r} is {value!r}, not a finite number")
-        out[str(name)] = float(value)
-    if "reward" not in out:
-        raise ScoreFailed(REWARD_ERROR, f"the task's score has no 'reward': {sorted(out)}")
-    return out
-
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc) if type(exc).__name__ in str(exc) else f"{type(exc).__name__}: {exc}"
-    return " ".join(text.split())[:500]

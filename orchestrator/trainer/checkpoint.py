@@ -113,10 +113,10 @@ def _write_checkpoint(run_dir: str | os.PathLike, meta: CheckpointMeta, keep: in
     write_state(tmp)
     (tmp / META_FILE).write_bytes(msgspec.json.encode(meta))
     for name in (MODEL_FILE, OPTIMIZER_FILE, META_FILE):
-        _fsync(tmp / name)
-    _fsync(tmp)
+        fsync_path(tmp / name)
+    fsync_path(tmp)
     os.rename(tmp, final)
-    _fsync(root)
+    fsync_path(root)
     _prune(run_dir, keep)
     return final
 
@@ -252,7 +252,8 @@ def _prune(run_dir: str | os.PathLike, keep: int) -> None:
         shutil.rmtree(checkpoint_dir(run_dir, step), ignore_errors=True)
 
 
-def _fsync(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory (a rename or a new entry is durable only once its directory is)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
