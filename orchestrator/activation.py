@@ -34,33 +34,21 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
-
-STRATEGIES: tuple[str, ...] = ("pause_swap", "double_buffer", "pause_free")
-KV_POLICIES: tuple[str, ...] = ("recompute", "keep", "drain", "abort")
-Strategy = Literal["pause_swap", "double_buffer", "pause_free"]
-KvPolicy = Literal["recompute", "keep", "drain", "abort"]
-
-# Outcomes (the same strings as replay.records.ACTIVATED, ROLLED_BACK, ENGINE_FENCED).
-ROLLED_BACK = "rolled_back"
-ENGINE_FENCED = "engine_fenced"
-FAILED = "failed"  # every engine failed during the swap: nobody serves v
-
-# Phases
-IDLE, STAGING, DRAINING, PAUSING, SWAPPING, RESUMING = "idle", "staging", "draining", "pausing", "swapping", "resuming"
-
-
-@dataclass(frozen=True)
-class PhaseTimeouts:
-    stage_s: float = 120.0
-    drain_s: float = 30.0
-    pause_s: float = 30.0
-    swap_s: float = 60.0  # swap + fence cache + set version, per activation
-    resume_s: float = 30.0
-    rejoin_s: float = 180.0
-
 
 from orchestrator.activation_messages import (  # noqa: F401 - the coordinator's vocabulary, re-exported
+    ENGINE_FENCED,
+    FAILED,
+    KV_POLICIES,
+    ROLLED_BACK,
+    STRATEGIES,
+    KvPolicy,
+    Strategy,
+    DRAINING,
+    IDLE,
+    PAUSING,
+    RESUMING,
+    STAGING,
+    SWAPPING,
     ACTIVATED,
     AbortInflight,
     Action,
@@ -91,6 +79,8 @@ from orchestrator.activation_messages import (  # noqa: F401 - the coordinator's
     Unfence,
     VersionSet,
 )
+from orchestrator.activation_rejoin import CoordinatorError, RejoinSteps  # noqa: F401 - re-exported
+from orchestrator.config import PhaseTimeouts  # noqa: F401 - re-exported (activation.PhaseTimeouts)
 
 
 @dataclass
@@ -110,11 +100,7 @@ class _EngineRun:
     joining: bool = False
 
 
-class CoordinatorError(RuntimeError):
-    """A call that the coordinator's state does not allow (a bug in the caller)."""
-
-
-class ActivationCoordinator:
+class ActivationCoordinator(RejoinSteps):
     def __init__(self, engines: Sequence[str], *, strategy: Strategy = "pause_swap",
                  kv_policy: KvPolicy = "recompute", timeouts: PhaseTimeouts | None = None,
                  live_version: int = 0) -> None:
@@ -194,33 +180,6 @@ class ActivationCoordinator:
         actions.append(self._timer(STAGING, self.timeouts.stage_s))
         return actions
 
-    def rejoin(self, engine: str, at: float) -> list[Action]:
-        """Bring a fenced engine back: re-sync it to the live version, then unfence it."""
-        if engine not in self.fenced:
-            raise CoordinatorError(f"{engine} is not fenced")
-        if engine in self.rejoining:
-            return []
-        self.joining.discard(engine)  # re-synced to the live version instead
-        self.rejoining[engine] = "stage"
-        self._rejoin_counter += 1
-        self._rejoin_tokens[engine] = self._rejoin_counter
-        return [Stage(engine=engine, version=self.live_version),
-                StartTimer(engine=engine, phase="rejoin", token=self._rejoin_counter, seconds=self.timeouts.rejoin_s)]
-
-    def join_next(self, engine: str) -> list[Action]:
-        """Bring a fenced engine back with the next version that goes live, rather than the
-        live one: a push transport's trainer sends each version once, to the engines it
-        includes, so the live version never comes again (`rejoin` stages the live version and
-        suits the filesystem). The engine takes every step of the next activation with the
-        others and is unfenced when that version goes live; if it fails, it alone stays fenced
-        (and no longer joins), and the version goes on without it."""
-        if engine not in self.fenced:
-            raise CoordinatorError(f"{engine} is not fenced")
-        if engine in self.rejoining:
-            raise CoordinatorError(f"{engine} is already rejoining at the live version")
-        self.joining.add(engine)
-        return []
-
     def abandon(self, at: float, why: str = "cancelled") -> list[Action]:
         """End the activation in progress now, with what is known: its performer gave up on it
         (cancelled). Before any swap was asked for no weights changed: the staged copies are
@@ -244,14 +203,6 @@ class ActivationCoordinator:
                 self.live_version = self.version  # every engine still in the fleet applied it
                 self._applied = True
         return actions + self._conclude(at)
-
-    def abandon_rejoin(self, engine: str) -> list[Action]:
-        """The performer gave up on a rejoin (cancelled): the engine stays fenced (whatever it
-        holds now, the next rejoin re-syncs it) and what it staged is dropped."""
-        if engine not in self.rejoining:
-            return []
-        del self.rejoining[engine]
-        return [DropStaged(engine=engine, version=self.live_version)]
 
     def handle(self, event: Event) -> list[Action]:
         if event.engine is not None and event.engine in self.rejoining:
@@ -500,46 +451,6 @@ class ActivationCoordinator:
         for e in late:
             actions += self._mark_failed(e, self.phase + "_timeout", "timed out")
         return actions + self._progress(at)
-
-    def _handle_rejoin(self, event: Event) -> list[Action]:
-        e = event.engine
-        step = self.rejoining[e]
-        if isinstance(event, Timeout):
-            if event.phase != "rejoin" or event.token != self._rejoin_tokens.get(e):
-                return []
-            del self.rejoining[e]
-            return [DropStaged(engine=e, version=self.live_version), Resume(engine=e)]
-        if isinstance(event, (StageFailed, StepFailed, EngineDied)):
-            del self.rejoining[e]
-            return [DropStaged(engine=e, version=self.live_version), Resume(engine=e)]
-        if step == "stage" and isinstance(event, Staged):
-            if event.version != self.live_version:  # the fleet moved on meanwhile: stage again
-                return [Stage(engine=e, version=self.live_version)]
-            self.rejoining[e] = "pause"
-            return [Pause(engine=e, mode="abort", clear_cache=True)]
-        if step == "pause" and isinstance(event, Paused):
-            self.rejoining[e] = "swap"
-            self._rejoin_version[e] = self.live_version
-            return [Swap(engine=e, version=self.live_version)]
-        if step == "swap" and isinstance(event, Swapped):
-            self.rejoining[e] = "fence_cache"
-            return [FenceCache(engine=e)]
-        if step == "fence_cache" and isinstance(event, CacheFenced):
-            self.rejoining[e] = "set_version"
-            return [SetVersion(engine=e, version=self._rejoin_version[e])]
-        if step == "set_version" and isinstance(event, VersionSet):
-            self.rejoining[e] = "resume"
-            return [Resume(engine=e)]
-        if step == "resume" and isinstance(event, Resumed):
-            if self._rejoin_version[e] != self.live_version:  # the fleet moved on meanwhile
-                self.rejoining[e] = "stage"
-                return [Stage(engine=e, version=self.live_version)]
-            del self.rejoining[e]
-            if self.phase != IDLE:
-                return self._join_the_activation_under_way(e)
-            self.fenced.discard(e)
-            return [Unfence(engine=e, version=self.live_version)]
-        return []
 
     def _join_the_activation_under_way(self, engine: str) -> list[Action]:
         """A rejoin that ends while an activation (begun without it) is under way: unfenced

@@ -7,8 +7,21 @@ what happened or what to do is required (no default stands in for a value nobody
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
+STRATEGIES: tuple[str, ...] = ("pause_swap", "double_buffer", "pause_free")
+KV_POLICIES: tuple[str, ...] = ("recompute", "keep", "drain", "abort")
+Strategy = Literal["pause_swap", "double_buffer", "pause_free"]
+KvPolicy = Literal["recompute", "keep", "drain", "abort"]
+
+# Outcomes (the same strings as replay.records.ACTIVATED, ROLLED_BACK, ENGINE_FENCED).
+ROLLED_BACK = "rolled_back"
+ENGINE_FENCED = "engine_fenced"
+FAILED = "failed"  # every engine failed during the swap: nobody serves v
 ACTIVATED = "activated"  # the same string as replay.records.ACTIVATED
+
+# The coordinator's phases.
+IDLE, STAGING, DRAINING, PAUSING, SWAPPING, RESUMING = "idle", "staging", "draining", "pausing", "swapping", "resuming"
 
 
 # ---------------------------------------------------------------------------------------------

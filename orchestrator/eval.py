@@ -20,7 +20,7 @@ import anyio
 import msgspec
 
 from orchestrator.logging import get_logger
-from orchestrator.scoring import ScoreFailed
+from orchestrator.score_outcome import ScoreFailed
 
 log = get_logger(__name__)
 
@@ -126,10 +126,45 @@ class Evaluator:
         return Sample(p, rewards, tokens)
 
 
-def pass_at_k_from_record(record) -> float | None:
-    """pass@k recomputed from an eval record's own per-prompt rewards (a check of the summary)."""
-    judged = [r for r in record.results if r.rewards]
-    if not judged:
-        return None
-    return sum(any(x >= record.pass_threshold for x in r.rewards) for r in judged) / len(judged)
+async def run_evaluations(loop) -> None:
+    """The run loop's evaluation task (`orchestrator.loop.RunLoop`): a held-out evaluation before
+    the first step (eval.at_start) and whenever the live version reaches a multiple of
+    eval.every_steps (activations may skip versions: the first live version at or past the
+    multiple is evaluated)."""
+    evaluator, fleet = loop.run.evaluator, loop.run.fleet
+    every = loop.run.config.eval.every_steps
+    last_round = fleet.live_version // every  # evaluated (or not due) up to here
+    if loop.run.config.eval.at_start and fleet.live_version == 0 and loop.run.scheduler.done_steps == 0:
+        last_round = -1
+        loop.eval_wanted.set()
+    while True:
+        await loop.eval_wanted.wait()
+        loop.eval_wanted = anyio.Event()
+        async with loop.activation_lock:
+            version = fleet.live_version
+            if version // every <= last_round:
+                continue
+            last_round = version // every
+            step = loop.run.scheduler.done_steps
+            loop.run.progress.state.status = f"running (evaluating v{version})"
+            with anyio.move_on_after(loop.run.config.eval.timeout_s) as scope:
+                record = await evaluator.run(fleet, step=step, version=version)
+            loop.run.progress.state.status = "running"
+        if scope.cancelled_caught:
+            log.warning("eval.timed_out", version=version, seconds=loop.run.config.eval.timeout_s)
+            continue
+        loop.run.recorder.submit(record)
+        loop.run.metrics.on_eval(record)
+        if loop.run.tracking is not None:
+            loop.run.tracking.evaluation(record)
+        log.info("eval.done", step=step, version=version, task=record.task, k=record.k,
+                 mean_at_k=record.mean_at_k, pass_at_k=record.pass_at_k, seconds=round(record.seconds, 2))
+        loop.run.progress.state.last_eval = f"v{version} {describe(record)}"
 
+
+def describe(record) -> str:
+    """An eval record in a few words: "pass@4 0.250  mean@4 0.412"."""
+    def shown(value: float | None) -> str:
+        return "n/a" if value is None else f"{value:.3f}"
+
+    return f"pass@{record.k} {shown(record.pass_at_k)}  mean@{record.k} {shown(record.mean_at_k)}"

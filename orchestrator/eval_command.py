@@ -18,6 +18,7 @@ import anyio
 import msgspec
 
 from orchestrator.errors import ConfigError
+from orchestrator.eval import describe
 
 
 def register(sub) -> None:
@@ -63,8 +64,8 @@ async def _main(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(out))
     else:
-        print(f"{target} v{version_number}  {record.task}: pass@{record.k} {_fmt(record.pass_at_k)}  "
-              f"mean@{record.k} {_fmt(record.mean_at_k)}  ({record.prompts} prompts, {record.seconds:.1f}s)")
+        print(f"{target} v{version_number}  {record.task}: {describe(record)}  ({record.prompts} prompts, "
+              f"{record.seconds:.1f}s)")
     return 0
 
 
@@ -122,7 +123,3 @@ def _int(text: str) -> int:
         return int(text)
     except ValueError:
         raise ConfigError("--version", f"must be 'latest' or a version number, got {text!r}") from None
-
-
-def _fmt(value) -> str:
-    return "n/a" if value is None else f"{value:.3f}"

@@ -15,7 +15,6 @@ second SIGINT exits 130 at once.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 import os
 import signal
 import time
@@ -24,27 +23,16 @@ import anyio
 import numpy as np
 
 from orchestrator import scheduler as sch
+from orchestrator.eval import run_evaluations
 from orchestrator.logging import get_logger
+from orchestrator.loop_records import InFlight, consumption_record, request_id, reward_components, settled
 from orchestrator.progress import StepLine
 from orchestrator.recording import RolloutContext, build_rollout_record
-from orchestrator.resume import CRASHED, JournalEntry
-from orchestrator.scoring import ScoreFailed
+from orchestrator.resume import JournalEntry
+from orchestrator.score_outcome import ScoreFailed
 from orchestrator.trainer.link import Batch, Failed, Sample, StepDone
 
 log = get_logger(__name__)
-
-
-@dataclass
-class InFlight:
-    """One rollout, from its dispatch until it is settled (consumed or discarded) or ends without
-    a sample: everything the loop holds for it, dropped in one place (`RunLoop._forget`)."""
-
-    dispatch: sch.Dispatch | None  # None: restored from a crashed run's log
-    dispatched_at: float
-    ctx: RolloutContext | None = None  # ids, prompt tokens, engine: built when it is journalled
-    completion: object | None = None  # its FleetCompletion, once generation ended
-    rewards: dict[str, float] | None = None  # its scores, once completed and scored
-    record: object | None = None  # its completed RolloutRecord: the trainer's sample comes from its blobs
 
 
 class RunLoop:
@@ -66,7 +54,7 @@ class RunLoop:
         self._dispatch_wakeup = anyio.Event()
         # Held by an activation and by a held-out evaluation: no version goes live mid-evaluation.
         self.activation_lock = anyio.Lock()
-        self._eval_wanted = anyio.Event()
+        self.eval_wanted = anyio.Event()
         self.lost_batches: list[sch.Discard] = []  # batches of a lost trainer, settled at teardown
         self.aborting: set[int] = set()  # rollouts the scheduler asked to abort, until they end
 
@@ -94,7 +82,7 @@ class RunLoop:
             tg.start_soon(self._loop_lag)
             tg.start_soon(self._dispatcher)
             if getattr(self.run, "evaluator", None) is not None:
-                tg.start_soon(self._evaluations)
+                tg.start_soon(run_evaluations, self)
             self.perform(restored_actions)
             await self.stop_requested.wait()
             await self._shutdown()
@@ -263,7 +251,7 @@ class RunLoop:
         self.run.recorder.submit(record)
         if t.status == "completed":
             entry.record = record  # its packed blobs become the trainer's sample
-            entry.completion = _settled(entry.completion)
+            entry.completion = settled(entry.completion)
         else:
             self._forget(t.rollout_id)
 
@@ -422,7 +410,7 @@ class RunLoop:
                     f"v{version} {record.outcome} "
                     f"(pause {max((e.pause_s for e in record.engines), default=0):.3f}s)")
                 self.handle(sch.VersionLive(version=version, at=time.monotonic()))
-                self._eval_wanted.set()
+                self.eval_wanted.set()
             else:
                 failures += 1
                 log.warning("activation.failed", version=version, outcome=record.outcome, message=record.message)
@@ -439,42 +427,6 @@ class RunLoop:
                     return
                 await anyio.sleep(min(30.0, 0.5 * 2 ** failures))
                 self._version_wanted.set()  # retry: the newest version wanted then
-
-    # -- evaluation ----------------------------------------------------------------------------
-    async def _evaluations(self) -> None:
-        """A held-out evaluation before the first step (eval.at_start) and whenever the live
-        version reaches a multiple of eval.every_steps (activations may skip versions: the first
-        live version at or past the multiple is evaluated)."""
-        evaluator, fleet = self.run.evaluator, self.run.fleet
-        every = self.run.config.eval.every_steps
-        last_round = fleet.live_version // every  # evaluated (or not due) up to here
-        if self.run.config.eval.at_start and fleet.live_version == 0 and self.run.scheduler.done_steps == 0:
-            last_round = -1
-            self._eval_wanted.set()
-        while True:
-            await self._eval_wanted.wait()
-            self._eval_wanted = anyio.Event()
-            async with self.activation_lock:
-                version = fleet.live_version
-                if version // every <= last_round:
-                    continue
-                last_round = version // every
-                step = self.run.scheduler.done_steps
-                self.run.progress.state.status = f"running (evaluating v{version})"
-                with anyio.move_on_after(self.run.config.eval.timeout_s) as scope:
-                    record = await evaluator.run(fleet, step=step, version=version)
-                self.run.progress.state.status = "running"
-            if scope.cancelled_caught:
-                log.warning("eval.timed_out", version=version, seconds=self.run.config.eval.timeout_s)
-                continue
-            self.run.recorder.submit(record)
-            self.run.metrics.on_eval(record)
-            if self.run.tracking is not None:
-                self.run.tracking.evaluation(record)
-            log.info("eval.done", step=step, version=version, task=record.task, k=record.k,
-                     mean_at_k=record.mean_at_k, pass_at_k=record.pass_at_k, seconds=round(record.seconds, 2))
-            self.run.progress.state.last_eval = (f"v{version} pass@{record.k} {_fmt(record.pass_at_k)} "
-                                                 f"mean@{record.k} {_fmt(record.mean_at_k)}")
 
     async def _loop_lag(self) -> None:
         while True:
@@ -503,50 +455,3 @@ class RunLoop:
         if self.batch is not None:
             self.handle(sch.TrainerLost(step=self.batch[0]))
             self.batch = None
-
-
-def _settled(completion):
-    """What the loop keeps of a completed rollout's FleetCompletion once its record holds the
-    tokens and logprobs (the record's blobs become the trainer's sample): the versions only."""
-    if completion is None:
-        return None
-    completion.token_ids, completion.logprobs, completion.prompt_token_ids = [], [], []
-    return completion
-
-
-def _fmt(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.3f}"
-
-
-def request_id(rollout_id: int) -> str:
-    return f"rollout-{rollout_id}"
-
-
-def reward_components(scores: list[dict[str, float] | None]) -> dict[str, float]:
-    """The mean of each reward component (every score key but "reward") over the rollouts that
-    have it; a component no rollout reported is absent."""
-    sums: dict[str, list[float]] = {}
-    for score in scores:
-        for name, value in (score or {}).items():
-            if name != "reward":
-                sums.setdefault(name, []).append(float(value))
-    return {name: sum(values) / len(values) for name, values in sums.items()}
-
-
-def consumption_record(m: StepDone, components: dict[str, float] | None = None):
-    from replay.records import ConsumptionRecord
-
-    metrics = {k: float(v) for k, v in m.metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
-    metrics.update({f"reward/{name}": value for name, value in (components or {}).items()})
-    return ConsumptionRecord(step=m.step, rollout_ids=list(m.rollout_ids), advantages=m.advantages,
-                             log_ratio_mean=m.log_ratio_mean, log_ratio_max_abs=m.log_ratio_max_abs,
-                             reward_mean=m.reward_mean, loss=m.loss, version=m.version, metrics=metrics)
-
-
-def crashed_record(entry: JournalEntry, prompt, *, identity, sampling):
-    """The terminal record of a rollout that was in flight when the orchestrator died: what the
-    journal knows (ids, engine, dispatched version and time), no tokens, nothing invented."""
-    ctx = RolloutContext(entry.rollout_id, entry.group_id, prompt.prompt_id, tuple(prompt.token_ids), entry.at,
-                         entry.version, entry.engine)
-    return build_rollout_record(ctx, sch.Terminal(rollout_id=entry.rollout_id, status="dropped", reason=CRASHED),
-                                None, None, identity=identity, sampling=sampling)

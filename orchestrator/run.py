@@ -256,7 +256,7 @@ class Run:
 
     async def _restore(self, ready):
         """A fresh run writes its meta record; a resumed one reconciles log, journal and trainer."""
-        from orchestrator.loop import consumption_record, crashed_record
+        from orchestrator.loop_records import consumption_record, crashed_record
         from orchestrator.resume import ResumeState, load_resume_state
         from replay.log import read_records
         from replay.records import RunMetaRecord

@@ -38,9 +38,9 @@ are unique per run and deterministic: the prompt of a group is the task's prompt
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 from orchestrator.config import SchedulerConfig
+from orchestrator.scheduler_groups import RestoredGroup, RestoredRollout, _Group, _Member  # noqa: F401 - re-exported
 from orchestrator.scheduler_pacing import Pacer
 
 ROLLOUT_ID_STRIDE = 10_000
@@ -70,61 +70,6 @@ from orchestrator.scheduler_messages import (  # noqa: F401 - the scheduler's vo
     VersionLive,
     majority_version,
 )
-
-
-@dataclass
-class _Member:
-    rollout_id: int
-    group_id: int
-    engine: str | None
-    version: int
-    state: str = "inflight"  # inflight, completed, ended (dropped or errored)
-    abort_reason: str | None = None
-    bound: int | None = None  # the version the staleness bound applies to, once completed
-
-
-@dataclass
-class _Group:
-    group_id: int
-    version: int  # the version its first member was dispatched at (<= every member's)
-    members: dict[int, _Member] = field(default_factory=dict)
-    dispatched: int = 0  # dispatches so far (the next rollout id's suffix)
-    retries: int = 0
-    state: str = "open"  # open, complete, consumed, dead
-    dead_reason: str | None = None
-    n_live: int = 0  # members in flight or completed (not ended)
-    n_completed: int = 0
-
-    def live_members(self) -> list[_Member]:
-        return [m for m in self.members.values() if m.state in ("inflight", "completed")]
-
-    def completed(self) -> list[_Member]:
-        return [m for m in self.members.values() if m.state == "completed"]
-
-    def inflight(self) -> list[_Member]:
-        return [m for m in self.members.values() if m.state == "inflight"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class RestoredRollout:
-    rollout_id: int
-    version: int
-    majority: int | None = None  # its majority version (`scheduler_messages.majority_version`), if known
-
-    @property
-    def bound_version(self) -> int:
-        return self.version if self.majority is None else max(self.version, self.majority)
-
-
-@dataclass(frozen=True, kw_only=True)
-class RestoredGroup:
-    """A group found in the log on --resume: its completed, unconsumed rollouts."""
-
-    group_id: int
-    version: int
-    completed: tuple[RestoredRollout, ...]
-    dispatched: int  # rollouts the group already dispatched (ids are never reused)
-    retries: int = 0
 
 
 class SchedulerError(RuntimeError):
