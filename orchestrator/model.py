@@ -124,38 +124,36 @@ def build_model(out_dir: str | os.PathLike, preset: str = "tiny", seed: int = 0)
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
         raise ModelError(out, "directory exists and is not empty")
-
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    tokenizer = train_tokenizer(spec.vocab_size, spec.corpus_bytes)
-    config = Qwen2Config(
-        vocab_size=spec.vocab_size,
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_hidden_layers,
-        num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads,
-        max_position_embeddings=spec.max_position_embeddings,
-        tie_word_embeddings=spec.tie_word_embeddings,
-        torch_dtype="float32",
-        bos_token_id=None,
-        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
-        pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
-    )
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config).to(torch.float32)
-    # The preset's init_std: see ModelPreset.
-    with torch.no_grad():
-        gen = torch.Generator().manual_seed(seed)
-        for _, param in sorted(model.named_parameters()):
-            if param.dim() >= 2:
-                param.normal_(0.0, spec.init_std, generator=gen)
-    n_params = count_parameters(model)
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    tmp = _scratch_dir(out)  # before minutes of work: a place that cannot be written fails now
     try:
+        import torch
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        tokenizer = train_tokenizer(spec.vocab_size, spec.corpus_bytes)
+        config = Qwen2Config(
+            vocab_size=spec.vocab_size,
+            hidden_size=spec.hidden_size,
+            intermediate_size=spec.intermediate_size,
+            num_hidden_layers=spec.num_hidden_layers,
+            num_attention_heads=spec.num_attention_heads,
+            num_key_value_heads=spec.num_key_value_heads,
+            max_position_embeddings=spec.max_position_embeddings,
+            tie_word_embeddings=spec.tie_word_embeddings,
+            torch_dtype="float32",
+            bos_token_id=None,
+            eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+            pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        )
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config).to(torch.float32)
+        # The preset's init_std: see ModelPreset.
+        with torch.no_grad():
+            gen = torch.Generator().manual_seed(seed)
+            for _, param in sorted(model.named_parameters()):
+                if param.dim() >= 2:
+                    param.normal_(0.0, spec.init_std, generator=gen)
+        n_params = count_parameters(model)
+
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         (tmp / BUILT_MARKER).write_text(
@@ -165,10 +163,22 @@ def build_model(out_dir: str | os.PathLike, preset: str = "tiny", seed: int = 0)
         if out.exists():
             out.rmdir()
         os.replace(tmp, out)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ModelError(out, f"cannot write the model: {exc.strerror or exc}") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out, n_params
+
+
+def _scratch_dir(out: Path) -> Path:
+    """The temporary directory beside `out` that the build is written into (renamed at the end)."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    except OSError as exc:
+        raise ModelError(out, f"cannot create a directory there: {exc.strerror or exc}") from None
 
 
 def _make_readable(directory: Path) -> None:

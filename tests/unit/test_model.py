@@ -74,3 +74,17 @@ def test_check_model_dir_names_what_is_missing(tmp_path):
     (tmp_path / "empty" / "config.json").write_text("{}")
     with pytest.raises(ModelError, match="weight files"):
         check_model_dir(tmp_path / "empty")
+
+
+def test_a_place_where_no_directory_can_be_made_is_named_at_once(tmp_path):
+    import pytest
+
+    from orchestrator.errors import ModelError
+    from orchestrator.model import build_model
+
+    with pytest.raises(ModelError, match="cannot create a directory there") as err:
+        build_model("/proc/inflight-model", preset="tiny")
+    assert err.value.path == "/proc/inflight-model"
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ModelError, match="cannot create a directory there"):
+        build_model(tmp_path / "file" / "model", preset="tiny")
