@@ -77,12 +77,24 @@ class RowTask(Task):
                 continue
             self._encoded.append(ids)
             self.eligible.append(i)
+        needed = sorted(self.rewards.columns) if self.rewards is not None else []
+        for i, row in enumerate(rows):  # after every prompt is known good: a bad prompt is named first
+            self._check_columns(row, i, needed)
         if not self.eligible:
             raise ConfigError(f"{self.where}.max_prompt_tokens",
                               f"every one of the {len(rows)} rows is longer than {limit} tokens")
         if self.skipped:
             log.warning("task.rows_skipped", task=self.name, skipped=self.skipped, kept=len(self.eligible),
                         max_prompt_tokens=limit)
+
+    def _check_columns(self, row: dict, number: int, needed: list[str]) -> None:
+        """A column the rewards take by name and a row lacks would error every rollout of that
+        row (a typo in `answer_field` errors them all, and the run never steps): named now."""
+        missing = [c for c in needed if c not in row]
+        if missing:
+            field = "answer_field" if missing[0] == self.config.answer_field else "rewards"
+            raise ConfigError(f"{self.where}.{field}", f"row {number} has no column {missing[0]!r}, which the rewards "
+                                                       f"take (columns: {sorted(row)})")
 
     def _order(self, epoch: int) -> list[int]:
         if self._order_cache is None or self._order_cache[0] != epoch:

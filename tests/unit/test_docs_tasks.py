@@ -286,3 +286,14 @@ async def test_a_model_without_a_chat_template_needs_chat_template_false(tmp_pat
         raw = make_task(msgspec.structs.replace(config, chat_template=False), str(tiny_model_dir), tokenizer=bare)
         prompt = await raw.prompt(0)
         assert bare.decode(list(prompt.token_ids)) == prompt.text  # the text as it is, no template
+
+
+def test_an_answer_column_the_rows_lack_is_named_at_start(tmp_path, tiny_model_dir, tokenizer):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "a", "solution": "1"}\n')
+    config = load_config(_toml(tmp_path, f'dataset = "{data}"\nrewards = [{{fn = "exact"}}]'))
+    with pytest.raises(ConfigError) as err:
+        make_task(config.task, str(tiny_model_dir), tokenizer=tokenizer)
+    assert err.value.field == "task.answer_field" and "'answer'" in str(err.value) and "solution" in str(err.value)
+    fixed = load_config(_toml(tmp_path, f'dataset = "{data}"\nanswer_field = "solution"\nrewards = [{{fn = "exact"}}]'))
+    assert make_task(fixed.task, str(tiny_model_dir), tokenizer=tokenizer).rows == 1
