@@ -197,7 +197,10 @@ class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     keep_checkpoints: int = 2
     seed: int = 0
     # CPU threads for torch; the trainer is pinned off the engine's core (core 0) when it can be.
-    threads: int = 1
+    # "auto": every core this process may use, the engine's too (one share per rank under
+    # torchrun): the trainer computes on the engine's core while the engine waits, and the two
+    # contend when both run (docs/trainer.md, "Threads and cores").
+    threads: int | Literal["auto"] = 1
     cpus: list[int] | None = None
     # How long the orchestrator waits for the trainer to start and for one step.
     start_timeout_s: float = 120.0
@@ -236,7 +239,9 @@ class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 raise ConfigError(f"trainer.{name}", f"must be > 0, got {getattr(self, name)}")
         if not 0 < self.icepop_low < self.icepop_high:
             raise ConfigError("trainer.icepop_low", f"must be in (0, icepop_high), got {self.icepop_low}")
-        for name in ("publish_every", "keep_checkpoints", "threads"):
+        if self.threads != "auto" and self.threads < 1:
+            raise ConfigError("trainer.threads", f'must be >= 1 or "auto", got {self.threads}')
+        for name in ("publish_every", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"trainer.{name}", f"must be >= 1, got {getattr(self, name)}")
         if self.grad_clip < 0 or self.weight_decay < 0:
@@ -306,7 +311,7 @@ class RunSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_steps: int = 60
     seed: int = 0
     # Model preset built when `engine.model` is missing (see `inflight model init`).
-    model_preset: Literal["tiny", "tiny-rl", "small"] = "tiny-rl"
+    model_preset: Literal["tiny", "tiny-rl", "small", "small-rl"] = "tiny-rl"
     # Replay log durability: fsync when this many records wait, or when the oldest is this old.
     fsync_every_records: int = 256
     fsync_every_ms: float = 200.0

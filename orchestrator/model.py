@@ -61,6 +61,11 @@ PRESETS: dict[str, ModelPreset] = {
     "small": ModelPreset(vocab_size=4096, hidden_size=768, intermediate_size=2048,
                          num_hidden_layers=10, num_attention_heads=12, num_key_value_heads=4,
                          corpus_bytes=4_000_000),
+    # small's shapes (69M parameters) with tiny-rl's narrow init: the RL workload of
+    # `inflight bench time-to-reward`.
+    "small-rl": ModelPreset(vocab_size=4096, hidden_size=768, intermediate_size=2048,
+                            num_hidden_layers=10, num_attention_heads=12, num_key_value_heads=4,
+                            corpus_bytes=4_000_000, init_std=0.02),
 }
 
 

@@ -270,14 +270,22 @@ def published_dtype(config: RunConfig) -> torch.dtype | None:
             "auto": torch.float32}[config.engine.dtype]
 
 
-def pin(tc: TrainerConfig) -> set[int]:
-    """Keep the trainer off the engine's core (vLLM's CPU worker pins itself to core 0)."""
+def pin(tc: TrainerConfig, local_ranks: int = 1) -> tuple[set[int], int]:
+    """The trainer's cores and torch threads. By default it keeps off the engine's core (vLLM's
+    CPU worker pins itself to core 0); threads = "auto" takes every core this process may use,
+    the engine's included, a share per rank on this host."""
     available = os.sched_getaffinity(0)
-    cpus = set(tc.cpus) if tc.cpus else (available - {0}) or available
+    if tc.cpus:
+        cpus = set(tc.cpus)
+    elif tc.threads == "auto":
+        cpus = set(available)
+    else:
+        cpus = (available - {0}) or available
     os.sched_setaffinity(0, cpus)
-    torch.set_num_threads(tc.threads)
+    threads = max(1, len(cpus) // max(1, local_ranks)) if tc.threads == "auto" else tc.threads
+    torch.set_num_threads(threads)
     torch.manual_seed(tc.seed)
-    return cpus
+    return cpus, threads
 
 
 def serve(client: TrainerClient, trainer: Trainer, orphaned) -> int:
@@ -378,7 +386,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     together = False  # every rank ends here at the same message (Stop, or an orchestrator gone)
     try:
         config = msgspec.json.decode(args.config_json, type=RunConfig).validate()
-        cpus = pin(config.trainer)
+        cpus, threads = pin(config.trainer, ranks.local_world)
         trainer_device(config.trainer, ranks)  # a "cuda" without a device fails here, naming trainer.device
         if ranks.sharded:
             init_group(ranks, config.trainer)
@@ -386,7 +394,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         trainer = Trainer(args.run_dir, args.model, config, ranks)
         trainer.start(args.resume)
         log.info("trainer.ready", step=trainer.step, resumed=trainer.resumed, cpus=sorted(cpus),
-                 threads=config.trainer.threads, loss=config.trainer.loss, pid=os.getpid(), world=ranks.world)
+                 threads=threads, loss=config.trainer.loss, pid=os.getpid(), world=ranks.world)
         if client is None:
             code = follow(trainer)
         else:

@@ -18,11 +18,13 @@ class Ranks(msgspec.Struct, frozen=True):
     rank: int = 0
     world: int = 1
     local_rank: int = 0
+    local_world: int = 1  # ranks on this host (LOCAL_WORLD_SIZE)
 
     @classmethod
     def from_env(cls) -> Ranks:
         env = os.environ
-        return cls(int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1")), int(env.get("LOCAL_RANK", "0")))
+        return cls(int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1")), int(env.get("LOCAL_RANK", "0")),
+                   int(env.get("LOCAL_WORLD_SIZE", "1")))
 
     @property
     def sharded(self) -> bool:

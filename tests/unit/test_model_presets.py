@@ -19,6 +19,9 @@ def test_tiny_rl_has_tinys_shapes_and_a_narrower_init():
              "num_key_value_heads")
     assert [getattr(rl, f) for f in shape] == [getattr(tiny, f) for f in shape] == [1024, 128, 256, 2, 4, 2]
     assert rl.init_std == 0.02 and tiny.init_std == 0.08 and PRESETS["small"].init_std == 0.08
+    small, small_rl = PRESETS["small"], PRESETS["small-rl"]
+    assert [getattr(small_rl, f) for f in shape] == [getattr(small, f) for f in shape]
+    assert small_rl.init_std == 0.02
 
 
 def test_tiny_rl_weights_have_std_002_and_a_near_uniform_first_token(tmp_path):

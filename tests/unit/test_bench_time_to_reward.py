@@ -1,0 +1,51 @@
+"""The parts of `inflight bench time-to-reward` that decide its figures: the synchronous
+reference's sampling (behaviour logprobs, where a completion ends) and the inflight config."""
+
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from orchestrator.bench.sync_reference import _eos_ids, sample_batch
+from orchestrator.bench.time_to_reward import WORKLOADS, _merge_toml, config_toml
+from tests.reference import reference_logprobs
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    from orchestrator.model import build_model
+
+    out, _ = build_model(tmp_path_factory.mktemp("models") / "tiny", preset="tiny", seed=0)
+    return out
+
+
+def test_the_references_samples_carry_their_generating_logprobs_and_end_at_the_first_eos(model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    eos = _eos_ids(model, tokenizer)
+    assert eos
+    prompts = [[5, 6, 7, 8, 9], [40, 41]]  # unequal lengths: the shorter one is left-padded
+    samples = sample_batch(model, prompts, group_size=3, max_tokens=24, pad_id=0, eos=eos)
+    assert [s[0] for s in samples] == [prompts[0]] * 3 + [prompts[1]] * 3
+    for prompt, completion, logprobs in samples:
+        assert 1 <= len(completion) == len(logprobs) <= 24
+        assert not any(t in eos for t in completion[:-1])  # nothing after an EOS
+        assert len(completion) == 24 or completion[-1] in eos
+        expected = reference_logprobs(model, prompt, completion)
+        assert max(abs(a - b) for a, b in zip(logprobs, expected)) < 1e-4
+
+
+def test_the_inflight_config_holds_the_workload_and_extra_tables_override_it():
+    from orchestrator.config import RunConfig, convert
+
+    text = _merge_toml(config_toml(Path("/m"), WORKLOADS["small"], "just_in_time"),
+                       ["[trainer]\\nthreads = 2", '[scheduler]\nadmission = "eager"'])
+    config = convert(tomllib.loads(text), RunConfig, "config").validate()
+    assert (config.scheduler.group_size, config.scheduler.batch_groups) == (4, 8)
+    assert config.sampling.max_tokens == 64 and config.trainer.lr == 3e-3
+    assert config.trainer.threads == 2 and config.scheduler.admission == "eager"
+    assert config.run.model_preset == "small-rl" and config.eval.at_start is False
