@@ -6,17 +6,15 @@
 
 The scheduler and the activation coordinator decide; this module only performs their actions
 and feeds back what happened. Every dispatched rollout ends in exactly one terminal record:
-the scheduler emits it, `perform` writes it. On SIGINT/SIGTERM the run stops admitting, aborts
-what is in flight, gives every rollout its record within `run.shutdown_grace_s`, lets the
-trainer finish the step it holds, flushes the log, stops trainer and engines and exits 0; a
-second SIGINT exits 130 at once.
+the scheduler emits it, `perform` writes it. On SIGINT/SIGTERM (`Run._interrupts` calls
+`request_stop`) the run stops admitting, aborts what is in flight, gives every rollout its
+record within `run.shutdown_grace_s`, lets the trainer finish the step it holds, flushes the
+log, stops trainer and engines and exits 0; a second SIGINT exits 130 at once.
 """
 
 from __future__ import annotations
 
 import math
-import os
-import signal
 import time
 
 import anyio
@@ -76,7 +74,6 @@ class RunLoop:
     async def main(self, restored_actions: list) -> None:
         async with anyio.create_task_group() as tg:
             self._tg = tg
-            tg.start_soon(self._signals)
             tg.start_soon(self._trainer_messages)
             tg.start_soon(self._activator)
             tg.start_soon(self._loop_lag)
@@ -97,13 +94,6 @@ class RunLoop:
             self.run.progress.state.status = f"stopping ({reason})"
             self.run.progress.refresh()
             self.stop_requested.set()
-
-    async def _signals(self) -> None:
-        with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-            async for signum in signals:
-                if self.stop_requested.is_set() and signum == signal.SIGINT:
-                    os._exit(130)  # a second Ctrl-C: the user wants out now
-                self.request_stop(signal.Signals(signum).name)
 
     # -- performing the scheduler's actions -------------------------------------------------
     def perform(self, actions: list) -> None:
@@ -295,6 +285,8 @@ class RunLoop:
     def _submit(self, a: sch.SubmitBatch) -> None:
         batch = Batch(step=a.step, samples=[self._sample(rid) for rid in a.rollout_ids])
         self.batch = (a.step, a.rollout_ids, time.monotonic())
+        if self.run.startup.first_batch():
+            log.info("run.first_batch", step=a.step, seconds=round(self.run.startup.to_first_batch_s, 3))
         self._tg.start_soon(self._send_batch, batch)
 
     async def _send_batch(self, batch: Batch) -> None:

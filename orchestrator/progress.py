@@ -121,7 +121,8 @@ class Progress:
         return Panel(table, title="inflight run", expand=False)
 
 
-def summary(state: ProgressState, stats: dict, run_dir: str, http_url: str | None, stopped: str | None = None) -> str:
+def summary(state: ProgressState, stats: dict, run_dir: str, http_url: str | None, stopped: str | None = None,
+            startup: str | None = None) -> str:
     """The one-screen summary printed when the run ends."""
     rewards = [x.reward for x in state.steps if x.reward is not None]  # the newest ones
     staleness = stats.get("staleness", {})
@@ -142,6 +143,7 @@ def summary(state: ProgressState, stats: dict, run_dir: str, http_url: str | Non
         f"{_fmt(pause.get('p50'), '.3f')}s",
         *[f"  eval        step {e['step']} v{e['version']} {e['task']}: pass@{e['k']} {_fmt(e['pass_at_k'])}  "
           f"mean@{e['k']} {_fmt(e['mean_at_k'])}" for e in (stats.get("eval") or [])[-3:]],
+        *([f"  startup     {startup}"] if startup else []),
         "",
         "next:",
         f"  inflight stats {run_dir}                  staleness, spans, activations",

@@ -15,6 +15,7 @@ RUN_DIR holds:
 from __future__ import annotations
 
 import functools
+import os
 import signal
 import time
 import uuid
@@ -29,6 +30,8 @@ from orchestrator.errors import ConfigError, InflightError
 from orchestrator.logging import get_logger
 from orchestrator.preflight import check_model_paths, finished_steps
 from orchestrator.progress import Progress, ProgressState, summary
+from orchestrator.startup import StartupClock
+from transports.engine_signals import ENGINE_CHILD_ENV
 
 log = get_logger(__name__)
 CONFIG_FILE = "config.json"
@@ -72,6 +75,7 @@ def run_sampling(config: RunConfig):
 class Run:
     def __init__(self, config: RunConfig | None, run_dir: str | Path | None, *, resume: bool = False,
                  max_steps: int | None = None) -> None:
+        self.startup = StartupClock()
         base = config or RunConfig().validate()
         self.run_dir = Path(run_dir or base.run.dir.replace("{time}", time.strftime("%Y%m%d-%H%M%S"))).resolve()
         self.resume = resume
@@ -102,6 +106,9 @@ class Run:
         self.loop = RunLoop(self)
         # Every process started from here on dies with the run, even when this one is SIGKILLed.
         self.reaper = Reaper.start()
+        # In-process engines' core and worker processes leave a terminal's Ctrl-C to this one,
+        # whose graceful stop records every rollout and then stops them (transports.engine_signals).
+        os.environ[ENGINE_CHILD_ENV] = "1"
         try:
             await self._run_with_services()
         finally:  # (if this process dies instead, the watchdog notices and sweeps all the same)
@@ -109,7 +116,8 @@ class Run:
                 await anyio.to_thread.run_sync(self.reaper.stop)
         stats = self.recorder_stats
         print(summary(self.progress.state, stats, str(self.run_dir), self.http and self.http.url,
-                      stopped=self.loop.stop_reason if self.loop.stop_reason not in ("", "done") else None))
+                      stopped=self.loop.stop_reason if self.loop.stop_reason not in ("", "done") else None,
+                      startup=self.startup.line()))
         if self.loop.failure:
             raise RunFailed(self.loop.failure)
         return 0
@@ -119,8 +127,11 @@ class Run:
             async with anyio.create_task_group() as services:
                 if self.http is not None:
                     services.start_soon(self.http.serve, self.http_socket)
+                interrupts = anyio.CancelScope()
+                self._linger_over = anyio.Event()
                 try:
                     restored_actions = await self._setup()
+                    services.start_soon(self._interrupts, interrupts)
                     self.state = "running"
                     if self.scheduler.done_steps < self.max_steps:
                         await self.loop.main(restored_actions)
@@ -133,6 +144,23 @@ class Run:
                 if self.http is not None:
                     await self._linger()
                     self.http.stop()
+                interrupts.cancel()
+
+    async def _interrupts(self, scope: anyio.CancelScope) -> None:
+        """From the end of set-up to the end of the run, the one receiver of SIGINT and SIGTERM
+        (during set-up a Ctrl-C interrupts it as Python does; one receiver only: a second one
+        would replace this one's handler, and closing either removes both). The first signal
+        stops the run gracefully; a SIGINT once the run is stopping (a second Ctrl-C, or one
+        during the teardown, however fast the graceful part was) exits 130 at once, and the
+        watchdog stops what is left; while the finished run lingers, either signal ends it."""
+        with scope, anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for signum in signals:
+                if self.state == "finished":
+                    self._linger_over.set()
+                elif signum == signal.SIGINT and (self.loop.stop_requested.is_set() or self.state != "running"):
+                    os._exit(130)
+                else:
+                    self.loop.request_stop(signal.Signals(signum).name)
 
     def _already_finished(self) -> bool:
         """A resumed run that reached its max steps says so and starts nothing."""
@@ -151,9 +179,7 @@ class Run:
             return
         log.info("run.lingering", seconds=linger, url=self.http.url)
         with anyio.move_on_after(linger):
-            with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                async for _ in signals:
-                    return
+            await self._linger_over.wait()  # set by `_interrupts` on SIGINT or SIGTERM
 
     def _run_id(self) -> str:
         path = self.run_dir / "run_id"
@@ -178,16 +204,18 @@ class Run:
         config = self.config
         self.progress.state.status = "building the model" if not Path(config.engine.model).exists() else "starting"
         self.progress.refresh()
-        model_dir = str(await anyio.to_thread.run_sync(
-            lambda: ensure_model(config.engine.model, preset=config.run.model_preset, seed=config.run.seed)))
+        with self.startup.phase("model"):
+            model_dir = str(await anyio.to_thread.run_sync(
+                lambda: ensure_model(config.engine.model, preset=config.run.model_preset, seed=config.run.seed)))
         self.identity = policy_identity(model_dir, config.engine.dtype, self.logprobs_mode)
         self.metrics = RunMetrics()
         self.recorder = Recorder(self.run_dir, fsync_every_records=config.run.fsync_every_records,
                                  fsync_every_ms=config.run.fsync_every_ms, on_record=self.metrics.on_record)
         self.journal = DispatchJournal(self.run_dir)
         self.search_path = run_search_path(self.run_dir, getattr(self, "config_path", None))
-        self.task = await anyio.to_thread.run_sync(lambda: make_task(
-            config.task, model_dir, search_path=self.search_path))
+        with self.startup.phase("task"):
+            self.task = await anyio.to_thread.run_sync(lambda: make_task(
+                config.task, model_dir, search_path=self.search_path))
         self.scorer = make_scorer(self.task, pool=config.task.scoring_pool, workers=config.task.score_workers,
                                   timeout_s=config.task.score_timeout_s,
                                   builder=functools.partial(make_task, config.task, model_dir,
@@ -205,21 +233,35 @@ class Run:
 
         async def start_trainer() -> None:
             nonlocal ready
-            ready = await self.trainer.start()
+            with self.startup.phase("trainer"):
+                ready = await self.trainer.start()
 
+        async def start_scorer() -> None:
+            with self.startup.phase("scoring"):
+                await self.scorer.start()
+
+        async def start_engines() -> None:
+            with self.startup.phase("engines"):
+                async with anyio.create_task_group() as engines:
+                    for engine in self.engines:
+                        engines.start_soon(engine.start)
+
+        # Side by side: the trainer loads its model while the engines start; scoring workers
+        # build the task meanwhile.
         async with anyio.create_task_group() as tg:
             tg.start_soon(start_trainer)
-            tg.start_soon(self.scorer.start)  # scoring workers build the task while engines start
-            for engine in self.engines:
-                tg.start_soon(engine.start)
+            tg.start_soon(start_scorer)
+            tg.start_soon(start_engines)
         self.fleet = Fleet.from_config(self.engines, config.activation)
-        await self.fleet.setup(ready.plan_json, ready.weights_root, timeout_s=config.transport.timeout_s)
-        restored = await self._restore(ready)
-        if ready.version > 0:  # resumed: serve the newest published weights before any rollout
-            record = await self.fleet.activate(ready.version)
-            self.record_activation(record)
-            if record.outcome not in ("activated", "engine_fenced"):
-                raise RunFailed(f"could not activate version {ready.version} on resume: {record.message}")
+        with self.startup.phase("fleet"):
+            await self.fleet.setup(ready.plan_json, ready.weights_root, timeout_s=config.transport.timeout_s)
+        with self.startup.phase("restore"):
+            restored = await self._restore(ready)
+            if ready.version > 0:  # resumed: serve the newest published weights before any rollout
+                record = await self.fleet.activate(ready.version)
+                self.record_activation(record)
+                if record.outcome not in ("activated", "engine_fenced"):
+                    raise RunFailed(f"could not activate version {ready.version} on resume: {record.message}")
         self.metrics.live_version.set(self.fleet.live_version)
         self.progress.state.live_version = self.fleet.live_version
         self.scheduler = sch.Scheduler(config.scheduler, [e.engine_id for e in self.engines],
@@ -230,6 +272,8 @@ class Run:
         self._start_http()
         self._start_tracking()
         self.progress.state.status = "running"
+        self.startup.first_rollout()
+        log.info("run.startup", **self.startup.as_dict())
         return self.scheduler.start(at=time.monotonic())
 
     async def _evaluator(self, model_dir: str):

@@ -182,6 +182,7 @@ class BenchRun:
         from orchestrator.recording import Recorder
         from orchestrator.resume import DispatchJournal
         from orchestrator.scoring import make_scorer
+        from orchestrator.startup import StartupClock
         from replay.records import PolicyIdentity, SamplingSettings
 
         group = 8
@@ -203,6 +204,7 @@ class BenchRun:
             self.task, pool=pool, workers=4, timeout_s=60.0, builder=functools.partial(FixedTask, score_ms))
         self.evaluator = None
         self.tracking = None
+        self.startup = StartupClock()
         self.progress = Progress(ProgressState(self.max_steps), "none")
         self.identity = PolicyIdentity("bench", "", "", "float32", logprobs_mode="raw_logprobs")
         self.sampling = SamplingSettings(max_tokens=tokens)

@@ -202,6 +202,16 @@ def test_sync_mode_reports_staleness_zero(tmp_path, rl_model):
     check_log_invariants(run_dir, 6)
     stats = stats_json(run_dir)
     assert stats["staleness"]["max"] == 0 and stats["staleness"]["count"] == 6 * 64
+    # start-up is reported by phase, and the phases fit the order they ran in
+    events = [json.loads(line) for line in (run_dir / "orchestrator.jsonl").read_text().splitlines()]
+    startup = next(e for e in events if e["event"] == "run.startup")
+    first_batch = next(e for e in events if e["event"] == "run.first_batch")
+    for phase in ("process_s", "model_s", "task_s", "trainer_s", "engines_s", "scoring_s", "fleet_s"):
+        assert startup[phase] >= 0, phase
+    assert startup["to_first_rollout_s"] >= startup["engines_s"] + startup["fleet_s"]
+    assert startup["to_first_rollout_s"] >= startup["trainer_s"]
+    assert first_batch["step"] == 1 and first_batch["seconds"] > startup["to_first_rollout_s"]
+    assert "  startup     first rollout at" in log.read_text()
 
 
 @pytest.mark.timeout(1200)

@@ -219,6 +219,10 @@ def test_resume_after_sigkill_continues_at_the_next_dataset_row(tmp_path, rl_mod
     rows = [next(iter(rows_by_group[g])) for g in groups]
     assert len(rows) == len(set(rows)), "a row was repeated within the epoch"
     # The resumed run drew its next rows where the first stopped: its first new group follows the last old one.
-    old_groups = {r.group_id for r in before if isinstance(r, RolloutRecord)}
-    new_groups = {r.group_id for r in records[len(before):] if isinstance(r, RolloutRecord)}
+    # A group the first run dispatched is old even when its only records are the resume's `crashed` drops
+    # (every rollout of it was still in flight, e.g. its reward still being scored, at the SIGKILL).
+    after = [r for r in records[len(before):] if isinstance(r, RolloutRecord)]
+    crashed = {r.group_id for r in after if r.status_name == "dropped" and r.status.reason == "crashed"}
+    old_groups = {r.group_id for r in before if isinstance(r, RolloutRecord)} | crashed
+    new_groups = {r.group_id for r in after}
     assert min(new_groups - old_groups) == max(old_groups) + 1
