@@ -218,4 +218,3 @@ class InProcessEngine(Engine):
         except VllmDead as exc:
             self._dead = True
             raise EngineDeadError(self.engine_id, f"{what}: engine died ({exc})") from exc
-
