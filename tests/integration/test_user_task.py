@@ -224,5 +224,7 @@ def test_resume_after_sigkill_continues_at_the_next_dataset_row(tmp_path, rl_mod
     after = [r for r in records[len(before):] if isinstance(r, RolloutRecord)]
     crashed = {r.group_id for r in after if r.status_name == "dropped" and r.status.reason == "crashed"}
     old_groups = {r.group_id for r in before if isinstance(r, RolloutRecord)} | crashed
-    new_groups = {r.group_id for r in after}
-    assert min(new_groups - old_groups) == max(old_groups) + 1
+    new_groups = {r.group_id for r in after} - old_groups
+    # (With eager admission the first run may have dispatched every group the remaining steps
+    # need: then the resumed run re-samples the crashed ones under their ids and draws no new row.)
+    assert not new_groups or min(new_groups) == max(old_groups) + 1
