@@ -196,10 +196,8 @@ class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     checkpoint: bool = True
     keep_checkpoints: int = 2
     seed: int = 0
-    # CPU threads for torch; the trainer is pinned off the engine's core (core 0) when it can be.
-    # "auto": every core this process may use, the engine's too (one share per rank under
-    # torchrun): the trainer computes on the engine's core while the engine waits, and the two
-    # contend when both run (docs/trainer.md, "Threads and cores").
+    # torch threads, pinned off the engine's core 0 when it can be; "auto": every core, the
+    # engine's too, a share per rank (docs/trainer.md, "Threads and cores": when it pays).
     threads: int | Literal["auto"] = 1
     cpus: list[int] | None = None
     # How long the orchestrator waits for the trainer to start and for one step.
