@@ -12,6 +12,9 @@ It drives N engines from the live version to a staged one at one instant:
                         Resume(e) for every engine that was paused    (not with pause-free)
     all Resumed         Record(...)   and back to idle
 
+With the `adapter` strategy (LoRA) every engine loads the version's adapter beside the serving
+ones (Stage); once all have, the live version becomes v: no pause, swap or label.
+
 Every phase starts a timer (`StartTimer`); the performer answers with `Timeout(phase=..., token=...)`
 and the coordinator ignores timers of finished phases. Failures:
 
@@ -32,52 +35,15 @@ and the coordinator ignores timers of finished phases. Failures:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from orchestrator.activation_messages import (  # noqa: F401 - the coordinator's vocabulary, re-exported
-    ENGINE_FENCED,
-    FAILED,
-    KV_POLICIES,
-    ROLLED_BACK,
-    STRATEGIES,
-    KvPolicy,
-    Strategy,
-    DRAINING,
-    IDLE,
-    PAUSING,
-    RESUMING,
-    STAGING,
-    SWAPPING,
-    ACTIVATED,
-    AbortInflight,
-    Action,
-    CacheFenced,
-    Drain,
-    Drained,
-    DropStaged,
-    EngineAction,
-    EngineDied,
-    EngineOutcome,
-    Event,
-    Fence,
-    FenceCache,
-    Pause,
-    Paused,
-    Record,
-    Resume,
-    Resumed,
-    SetVersion,
-    Stage,
-    Staged,
-    StageFailed,
-    StartTimer,
-    StepFailed,
-    Swap,
-    Swapped,
-    Timeout,
-    Unfence,
-    VersionSet,
+    ENGINE_FENCED, FAILED, KV_POLICIES, ROLLED_BACK, STRATEGIES, KvPolicy, Strategy, DRAINING,
+    IDLE, PAUSING, RESUMING, STAGING, SWAPPING, ACTIVATED, AbortInflight, Action, CacheFenced,
+    Drain, Drained, DropStaged, EngineAction, EngineDied, EngineOutcome, Event, Fence, FenceCache,
+    Pause, Paused, Record, Resume, Resumed, SetVersion, Stage, Staged, StageFailed, StartTimer,
+    StepFailed, Swap, Swapped, Timeout, Unfence, VersionSet,
 )
 from orchestrator.activation_rejoin import CoordinatorError, RejoinSteps  # noqa: F401 - re-exported
 from orchestrator.config import PhaseTimeouts  # noqa: F401 - re-exported (activation.PhaseTimeouts)
@@ -152,7 +118,7 @@ class ActivationCoordinator(RejoinSteps):
 
     @property
     def pauses(self) -> bool:
-        return self.strategy != "pause_free"
+        return self.strategy not in ("pause_free", "adapter")
 
     # -- inputs ------------------------------------------------------------------------------
     def begin(self, version: int, at: float, *, rollback: bool = False) -> list[Action]:
@@ -267,6 +233,10 @@ class ActivationCoordinator(RejoinSteps):
         return self._after_staging(at) if self._live_runs() else self._start_resume(at)
 
     def _after_staging(self, at: float) -> list[Action]:
+        if self.strategy == "adapter":  # loaded everywhere: the next request names it
+            for e in self._live_runs():
+                self.runs[e].step = "applied"
+            return self._check_applied(at)
         if self.kv_policy == "drain":
             self.phase = DRAINING
             for run in self.runs.values():
@@ -485,7 +455,8 @@ class ActivationCoordinator(RejoinSteps):
             transfer = max(0.0, (r.staged_at or at) - self.started_at) if r.staged_at else 0.0
             pause = max(0.0, (r.resumed_at or at) - r.paused_at) if r.paused_at is not None else 0.0
             engines.append(EngineOutcome(engine=e, outcome=eo, transfer_s=transfer, pause_s=pause, swapped_requests=dict(r.requests)))
-        carried = (self.kv_policy == "keep" or self._kv_kept) and outcome in (ACTIVATED, ENGINE_FENCED)
+        carried = (self.kv_policy == "keep" or self._kv_kept) and outcome in (ACTIVATED, ENGINE_FENCED) \
+            and self.strategy != "adapter"  # a request keeps its adapter to the end: nothing carried
         record = Record(version=self.version if self.version is not None else -1, outcome=outcome,
                         engines=tuple(engines), strategy=self.strategy, kv_policy=self.kv_policy,
                         kv_carried=carried, message=message, at=at)
@@ -493,7 +464,3 @@ class ActivationCoordinator(RejoinSteps):
         self.phase, self.runs = IDLE, {}
         self._token += 1  # any timer still running is stale now
         return [record]
-
-
-def engines_of(actions: Iterable[Action], kind: type) -> list[str]:
-    return [a.engine for a in actions if isinstance(a, kind)]

@@ -9,9 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-STRATEGIES: tuple[str, ...] = ("pause_swap", "double_buffer", "pause_free")
+# adapter: each version is a LoRA adapter loaded beside the serving ones (Stage); the instant
+# is the fleet's: new requests name the new adapter, requests in flight keep theirs. No pause.
+STRATEGIES: tuple[str, ...] = ("pause_swap", "double_buffer", "pause_free", "adapter")
 KV_POLICIES: tuple[str, ...] = ("recompute", "keep", "drain", "abort")
-Strategy = Literal["pause_swap", "double_buffer", "pause_free"]
+Strategy = Literal["pause_swap", "double_buffer", "pause_free", "adapter"]
 KvPolicy = Literal["recompute", "keep", "drain", "abort"]
 
 # Outcomes (the same strings as replay.records.ACTIVATED, ROLLED_BACK, ENGINE_FENCED).

@@ -88,6 +88,12 @@ class RejoinSteps:
         if step == "stage" and isinstance(event, Staged):
             if event.version != self.live_version:  # the fleet moved on meanwhile: stage again
                 return [Stage(engine=e, version=self.live_version)]
+            if self.strategy == "adapter":  # the live adapter is loaded: new requests may come
+                del self.rejoining[e]
+                if self.phase != IDLE:
+                    return self._join_the_activation_under_way(e)
+                self.fenced.discard(e)
+                return [Unfence(engine=e, version=self.live_version)]
             self.rejoining[e] = "pause"
             return [Pause(engine=e, mode="abort", clear_cache=True)]
         if step == "pause" and isinstance(event, Paused):

@@ -48,6 +48,9 @@ def register(sub, bench_sub) -> None:
     export.add_argument("out_dir", metavar="OUT_DIR", help="the directory to write (must not exist, or be empty)")
     export.add_argument("--version", default="latest", metavar="latest|V",
                         help="the version to export: latest (default: the newest the run holds) or a number")
+    export.add_argument("--merge", action="store_true",
+                        help="LoRA runs: write the base model with the version's adapter merged in (a full "
+                             "model directory) instead of the adapter directory")
     export.set_defaults(func=cmd_export_model)
     __import__("orchestrator.eval_command", fromlist=["register"]).register(sub)
     __import__("orchestrator.bench.activation", fromlist=["register"]).register(bench_sub)
@@ -91,6 +94,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_export_model(args: argparse.Namespace) -> int:
     from orchestrator.export_model import export_model
 
-    result = export_model(args.run_dir, args.version, out_dir=args.out_dir)
-    print(f"{result.path}\tversion {result.version} ({result.source}: {result.source_path})")
+    result = export_model(args.run_dir, args.version, out_dir=args.out_dir, merge=args.merge)
+    form = "" if result.form == "model" else f", {result.form}"
+    print(f"{result.path}\tversion {result.version} ({result.source}{form}: {result.source_path})")
     return 0

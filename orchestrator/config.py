@@ -11,6 +11,7 @@ from typing import Literal
 import msgspec
 
 from orchestrator.config_task import EvalConfig, TaskConfig
+from orchestrator.config_trainer import LoraConfig, TrainerConfig
 from orchestrator.engines.base import SamplingSettings, check_sampling
 from orchestrator.errors import ConfigError
 
@@ -42,6 +43,11 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # temperature / top-k / top-p) or "processed_logprobs" (what was sampled from). None: vLLM's
     # default. `inflight run` picks processed_logprobs when the sampling is not plain.
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] | None = None
+    # LoRA adapters served natively (vLLM's enable_lora, max_lora_rank, max_loras): set by
+    # `inflight run` from [trainer.lora]; requests name their adapter (`Engine.load_adapter`).
+    enable_lora: bool = False
+    max_lora_rank: int = 16
+    max_loras: int = 1
 
     def validate(self) -> EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 16:
@@ -53,6 +59,8 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         for name in ("start_timeout_s", "chunk_timeout_s", "control_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"engine.{name}", f"must be > 0, got {getattr(self, name)}")
+        if self.enable_lora and self.max_loras < 1:
+            raise ConfigError("engine.max_loras", f"must be >= 1, got {self.max_loras}")
         if self.kind == "inproc" and self.url is not None:
             raise ConfigError("engine.url", "only meaningful with kind = \"server\"")
         return self
@@ -171,109 +179,6 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                               ("staleness_by", ("dispatch", "majority"))):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"scheduler.{name}", f"must be one of {list(allowed)}, got {getattr(self, name)!r}")
-        return self
-
-
-class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """The trainer process: optimizer, loss, publishing cadence, checkpoints."""
-
-    lr: float = 3e-3
-    # tis: decoupled objective, truncated importance weight min(pi/mu, is_cap) (default: it
-    # tolerates staleness); ppo: clipped ratio against the sampled logprobs; icepop: tokens whose
-    # ratio leaves [icepop_low, icepop_high] are masked out; plain: no correction.
-    loss: Literal["tis", "ppo", "icepop", "plain"] = "tis"
-    is_cap: float = 2.0
-    ppo_clip: float = 0.2
-    icepop_low: float = 0.5
-    icepop_high: float = 2.0
-    # Group-normalised advantages: (r - mean) / (std + eps); false keeps r - mean (Dr. GRPO).
-    normalize_std: bool = True
-    grad_clip: float = 1.0
-    weight_decay: float = 0.0
-    # Publish a new version every k optimizer steps.
-    publish_every: int = 1
-    # Checkpoint model and optimizer (atomically) at every published version, so --resume continues exactly.
-    checkpoint: bool = True
-    keep_checkpoints: int = 2
-    seed: int = 0
-    # torch threads, pinned off the engine's core 0 when it can be; "auto": every core, the
-    # engine's too, a share per rank (docs/trainer.md, "Threads and cores": when it pays).
-    threads: int | Literal["auto"] = 1
-    cpus: list[int] | None = None
-    # How long the orchestrator waits for the trainer to start and for one step.
-    start_timeout_s: float = 120.0
-    step_timeout_s: float = 600.0
-    # Trainer ranks on this host. 1: one process. N > 1: `torchrun --nproc-per-node N`, the model
-    # sharded with FSDP2 (fully_shard) over gloo on CPU (NCCL on GPU); rank 0 speaks the link.
-    world_size: int = 1
-    # Extra torchrun flags, e.g. ["--nnodes=2", "--node-rank=0", "--master-addr=HOST",
-    # "--master-port=29500"] to span hosts (docs/trainer.md); a list also starts torchrun when
-    # world_size = 1. --nproc-per-node is world_size's.
-    torchrun_args: list[str] = []
-    # Publishing packs the weights into buckets of at most this many bytes (a larger tensor
-    # travels alone): the trainer's extra memory while it publishes stays within two buckets
-    # plus the largest tensor, on every rank.
-    bucket_bytes: int = 64 << 20
-    # Where the trainer holds and computes the model. "cuda" needs a CUDA device where the
-    # trainer starts (else ConfigError at its start); under torchrun each rank takes
-    # cuda:LOCAL_RANK. Written, not yet run on a GPU.
-    device: Literal["cpu", "cuda"] = "cpu"
-    # The dtype the trainer holds and computes the model in (its gradients and Adam state too:
-    # no fp32 master copy). Published weights keep the engine's dtype (docs/trainer.md).
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    # Gradient accumulation: each micro-batch's padded size (rows x its longest prompt +
-    # completion) within this many tokens, samples bucketed by length, one optimizer step per
-    # batch (the same as the whole batch at once). None: the whole batch in one pass.
-    micro_batch_tokens: int | None = None
-
-    @property
-    def torchrun(self) -> bool:
-        """Started under torchrun (several ranks, or torchrun flags given)."""
-        return self.world_size > 1 or bool(self.torchrun_args)
-
-    def validate(self) -> TrainerConfig:
-        for name in ("lr", "is_cap", "ppo_clip", "icepop_high", "start_timeout_s", "step_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"trainer.{name}", f"must be > 0, got {getattr(self, name)}")
-        if not 0 < self.icepop_low < self.icepop_high:
-            raise ConfigError("trainer.icepop_low", f"must be in (0, icepop_high), got {self.icepop_low}")
-        if self.threads != "auto" and self.threads < 1:
-            raise ConfigError("trainer.threads", f'must be >= 1 or "auto", got {self.threads}')
-        for name in ("publish_every", "keep_checkpoints"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"trainer.{name}", f"must be >= 1, got {getattr(self, name)}")
-        if self.grad_clip < 0 or self.weight_decay < 0:
-            raise ConfigError("trainer.grad_clip" if self.grad_clip < 0 else "trainer.weight_decay", "must be >= 0")
-        if self.world_size < 1:
-            raise ConfigError("trainer.world_size", f"must be >= 1, got {self.world_size}")
-        if self.bucket_bytes < 1:
-            raise ConfigError("trainer.bucket_bytes", f"must be >= 1, got {self.bucket_bytes}")
-        if self.micro_batch_tokens is not None and self.micro_batch_tokens < 1:
-            raise ConfigError("trainer.micro_batch_tokens", f"must be >= 1 (or unset), got {self.micro_batch_tokens}")
-        for i, arg in enumerate(self.torchrun_args):
-            flag = arg.split("=", 1)[0].replace("_", "-")
-            if flag in ("--nproc-per-node", "-m", "--module", "--no-python"):
-                raise ConfigError(f"trainer.torchrun_args[{i}]",
-                                  f"{arg!r} is set by the launcher (ranks per host: trainer.world_size)")
-            if not arg.startswith("-"):
-                raise ConfigError(f"trainer.torchrun_args[{i}]",
-                                  f"{arg!r} is not a flag: write each as --name=value")
-            if flag == "--node-rank" and arg.split("=", 1)[1:] != ["0"]:
-                raise ConfigError(f"trainer.torchrun_args[{i}]",
-                                  f"{arg!r}: the orchestrator's host is node 0 (its rank 0 speaks the link on "
-                                  "127.0.0.1); the other hosts run the logged trainer.command with their own "
-                                  "--node-rank")
-            if flag == "--max-restarts" and arg.split("=", 1)[1:] != ["0"]:
-                # A restarted rank 0 would greet the orchestrator's link with a second Ready in the
-                # middle of the run; the run resumes instead (`inflight run --resume`).
-                raise ConfigError(f"trainer.torchrun_args[{i}]",
-                                  f"{arg!r}: torchrun must not restart the trainer's ranks (a failed trainer "
-                                  "stops the run, which then resumes from its checkpoint)")
-        flags = {a.split("=", 1)[0].replace("_", "-"): a.split("=", 1)[1:] for a in self.torchrun_args}
-        if flags.get("--nnodes", ["1"]) != ["1"] and not flags.keys() & {"--master-addr", "--rdzv-endpoint"}:
-            # Without one, the launcher's rendezvous is 127.0.0.1: no other host could join it.
-            raise ConfigError("trainer.torchrun_args", "--nnodes other than 1 needs --master-addr (or "
-                                                       "--rdzv-endpoint): the address the other hosts reach")
         return self
 
 
@@ -398,6 +303,7 @@ class RunConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if self.eval.every_steps:
             self.eval.task_config(self.task)  # the eval task's fields must be valid too
         check_publish_cadence(self.trainer, self.scheduler)
+        check_lora(self)
         ids = [engine_id for engine_id, _ in self.engine_configs()]
         if len(set(ids)) != len(ids):
             raise ConfigError("engines", f"engine ids must be unique, got {ids}")
@@ -409,6 +315,10 @@ class RunConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         base = self.engine
         if base.worker_extension_cls is None:
             base = msgspec.structs.replace(base, worker_extension_cls=SWAP_EXTENSION)
+        lora = self.trainer.lora
+        if lora is not None:  # every version is an adapter the engines load natively
+            base = msgspec.structs.replace(base, enable_lora=True, max_lora_rank=lora.engine_rank,
+                                           max_loras=lora.resident(self.scheduler.max_off_policy_steps))
         if isinstance(self.engines, int):
             return [(f"engine-{i}", msgspec.structs.replace(base, seed=base.seed + i)) for i in range(self.engines)]
         out = []
@@ -435,6 +345,15 @@ def check_training_sampling(s: SamplingSettings) -> None:
                           f"must be 0 to train, got {s.min_tokens}: it forbids end-of-sequence before that "
                           "many tokens, which truncates the distribution (as top_k does) in a way the "
                           "trainer does not replicate")
+
+
+def check_lora(config: RunConfig) -> None:
+    """A LoRA run's versions are adapters that requests name: nothing is swapped, so the
+    strategies that prepare a second copy of the model do not apply."""
+    if config.trainer.lora is not None and config.activation.strategy != "pause_swap":
+        raise ConfigError("activation.strategy",
+                          f"{config.activation.strategy!r} swaps full weights; with trainer.lora each version is an "
+                          "adapter loaded beside the serving ones and activated with no pause: leave the default")
 
 
 def check_publish_cadence(trainer: TrainerConfig, scheduler: SchedulerConfig) -> None:
@@ -495,6 +414,6 @@ def convert(data: object, type_: type, where: str):
         raise ConfigError(field or "config", message) from None
 
 
-__all__ = ["ActivationConfig", "ConfigError", "EngineConfig", "EvalConfig", "WandbConfig", "EngineOverride", "HttpConfig", "RunConfig",
+__all__ = ["ActivationConfig", "LoraConfig", "ConfigError", "EngineConfig", "EvalConfig", "WandbConfig", "EngineOverride", "HttpConfig", "RunConfig",
            "RunSection", "SamplingSettings", "SchedulerConfig", "TaskConfig", "TrainerConfig",
            "TransportConfig", "convert", "default_config", "load_config"]

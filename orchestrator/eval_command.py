@@ -46,8 +46,9 @@ async def _main(args: argparse.Namespace) -> int:
             from orchestrator.export_model import export_model
 
             version = args.version if args.version == "latest" else _int(args.version)
+            # merge: a LoRA run's version is an adapter; the engine evaluates base + adapter merged
             exported = await anyio.to_thread.run_sync(
-                lambda: export_model(target, version, out_dir=Path(tmp) / "model"))
+                lambda: export_model(target, version, out_dir=Path(tmp) / "model", merge=True))
             model_dir, version_number = str(exported.path), exported.version
         else:
             if args.version != "latest":

@@ -14,11 +14,14 @@ Where a version lives (the first that holds it is used, and the card says which)
 * `checkpoint`: RUN_DIR/trainer/step-NNNNNNNN/model.safetensors (the trainer's checkpoint of
   step N holds version N).
 
+A LoRA run's versions v >= 1 are adapters: exported as a PEFT adapter directory, or with
+`merge=True` (`--merge`) as the base with the adapter merged in (`orchestrator.export_adapter`).
+
 The base directory must still hold what the run recorded (tokenizer and chat template hashes,
-and for version 0 the weights' hash): a changed one is an error naming what changed. The base
-model is loaded with transformers, every tensor of the version is copied into it (a
-name or shape that does not fit is an error naming it, as is a tensor the version lacks), and
-`save_pretrained` writes the weights in checkpoint layout (a tied output head once). The
+and for version 0 or an adapter the weights' hash): a changed one is an error naming what
+changed. The base model is loaded with transformers, every tensor of the version is copied
+into it (a name or shape that does not fit is an error naming it, as is a tensor the version
+lacks), and `save_pretrained` writes the weights in checkpoint layout (a tied output head once). The
 directory is written under a temporary name beside OUT_DIR and renamed into place, so a crash
 leaves no half directory. Importing this module imports neither torch nor vLLM.
 """
@@ -61,6 +64,9 @@ class ExportResult(msgspec.Struct, frozen=True):
     version: int
     source: str  # "base" | "published" | "checkpoint"
     source_path: Path | None = None  # the directory or file the weights were read from
+    # "model": the version's full weights; "adapter": a LoRA version's PEFT adapter directory;
+    # "merged": a LoRA version merged into the base (a full model directory)
+    form: str = "model"
 
 
 class RunInfo(msgspec.Struct, frozen=True):
@@ -165,10 +171,11 @@ def _version_number(version: int | str) -> int:
     return int(digits)
 
 
-def check_base_unchanged(run: RunInfo, source: VersionSource) -> None:
+def check_base_unchanged(run: RunInfo, source: VersionSource, adapter: bool = False) -> None:
     """The base directory still holds what the run recorded: the tokenizer and chat template
-    (copied into every export) and, for version 0, the weights. A hash the run did not record
-    is not checked. ModelError names what changed."""
+    (copied into every export) and, for version 0 or an `adapter` version (which means nothing
+    without its base), the weights. A hash the run did not record is not checked. ModelError
+    names what changed."""
     from orchestrator.recording import policy_identity, weights_digest
 
     recorded = run.identity or {}
@@ -176,7 +183,7 @@ def check_base_unchanged(run: RunInfo, source: VersionSource) -> None:
     checks = [("tokenizer", recorded.get("tokenizer_hash"), now.tokenizer_hash),
               ("chat template", recorded.get("chat_template_hash"), now.chat_template_hash)]
     base = str(recorded.get("base_checkpoint") or "")
-    if source.version == 0 and "@sha256:" in base:
+    if (source.version == 0 or adapter) and "@sha256:" in base:
         then = base.rsplit("@sha256:", 1)[1]
         checks.append(("weights", then, weights_digest(run.base_dir)[:len(then)]))
     for what, then, current in checks:
@@ -189,23 +196,30 @@ def check_base_unchanged(run: RunInfo, source: VersionSource) -> None:
 
 
 def export_model(run_dir: str | os.PathLike, version: int | str = LATEST, *,
-                 out_dir: str | os.PathLike) -> ExportResult:
+                 out_dir: str | os.PathLike, merge: bool = False) -> ExportResult:
     """Write `version` of the run at run_dir as a Hugging Face directory at out_dir (which must
-    not exist, or be empty). Atomic: a temporary directory beside out_dir, renamed into place."""
+    not exist, or be empty); a LoRA version as its adapter directory, or with `merge` merged into
+    the base. Atomic: a temporary directory beside out_dir, renamed into place."""
+    from orchestrator.export_adapter import export_form, merged_model, read_version_adapter, write_adapter
+
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError("OUT_DIR", f"{out} exists and is not an empty directory; choose another or remove it")
     run = read_run(run_dir)
     source = resolve_version(run, version)
+    form = export_form(run, source, merge)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
     try:
-
-        check_base_unchanged(run, source)
-        model = load_version(run.base_dir, source)
-        _save(model, run.base_dir, tmp)
-        del model
-        (tmp / CARD).write_text(model_card(run, source, tmp, out))
+        check_base_unchanged(run, source, adapter=form != "model")
+        lora = read_version_adapter(run, source) if form != "model" else None
+        if form == "adapter":
+            write_adapter(source, lora, tmp)
+        else:
+            model = merged_model(run.base_dir, lora) if lora is not None else load_version(run.base_dir, source)
+            _save(model, run.base_dir, tmp)
+            del model
+        (tmp / CARD).write_text(model_card(run, source, tmp, out, form, lora.describe() if lora else None))
         _make_durable(tmp)
         if out.exists() and any(out.iterdir()):  # filled while we wrote: never replaced
             raise ConfigError("OUT_DIR", f"{out} was filled while the export was written")
@@ -214,7 +228,7 @@ def export_model(run_dir: str | os.PathLike, version: int | str = LATEST, *,
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return ExportResult(path=out, version=source.version, source=source.kind, source_path=source.path)
+    return ExportResult(path=out, version=source.version, source=source.kind, source_path=source.path, form=form)
 
 
 def load_version(base_dir: Path, source: VersionSource):
@@ -349,17 +363,21 @@ def _make_durable(directory: Path) -> None:
 # -- the model card (README.md) ------------------------------------------------------------
 
 
-def _source_words(run: RunInfo, source: VersionSource) -> str:
+def _source_words(run: RunInfo, source: VersionSource, form: str) -> str:
     if source.kind == "base":
         return f"the base model directory `{source.path}` (version 0: before any training step)"
+    if source.kind == "published" and form != "model":
+        return f"the published adapter `{source.path}` (the PEFT directory the engines loaded)"
     if source.kind == "published":
         return f"the published version `{source.path}` (the filesystem transport's files, which engines load)"
     return f"the trainer checkpoint `{source.path}` (the published copy of this version was pruned)"
 
 
-def model_card(run: RunInfo, source: VersionSource, exported_dir: Path, shown_as: str | os.PathLike) -> str:
+def model_card(run: RunInfo, source: VersionSource, exported_dir: Path, shown_as: str | os.PathLike,
+               form: str = "model", lora: str | None = None) -> str:
     """README.md: which run and version these weights are, where they were read, from which base.
-    `exported_dir`: where the weights are now (hashed); `shown_as`: the path the card names."""
+    `exported_dir`: where the weights are now (hashed); `shown_as`: the path the card names;
+    `form`: ExportResult.form; `lora`: the adapter's rank and alpha, for a LoRA version."""
     from orchestrator.recording import weights_digest
 
     identity = run.identity or {}
@@ -374,12 +392,14 @@ def model_card(run: RunInfo, source: VersionSource, exported_dir: Path, shown_as
         ("run directory", f"`{run.run_dir}`"),
         ("policy version", f"{source.version}" + (" (the base model)" if source.version == 0
                                                   else f" (after trainer step {source.version})")),
-        ("weights read from", _source_words(run, source)),
+        ("weights read from", _source_words(run, source, form)),
         ("base model", f"`{run.base_dir}`"),
         ("base model identity", base_identity_words),
         ("this directory's weights", f"sha256 `{weights_digest(exported_dir)[:16]}` (as `inflight run` would "
                                      "record it)"),
     ]
+    if lora is not None:
+        rows.insert(4, ("LoRA adapter", lora + (", merged into the base" if form == "merged" else "")))
     for key, label in (("tokenizer_hash", "tokenizer hash"), ("chat_template_hash", "chat template hash"),
                        ("serving_precision", "serving precision"), ("logprobs_mode", "logprobs mode")):
         if identity.get(key):
@@ -391,8 +411,19 @@ def model_card(run: RunInfo, source: VersionSource, exported_dir: Path, shown_as
     rows.append(("exported", time.strftime("%Y-%m-%d %H:%M:%S %Z")))
     table = "\n".join(f"| {k} | {v} |" for k, v in rows)
     title = f"version {source.version} of run {run.run_id}" if run.run_id else f"version {source.version}"
+    if form == "model":
+        front = "library_name: transformers"
+        opening = f"""Policy version {source.version} of an inflight-rl run, exported by `inflight export-model`. The
+tokenizer, chat template and generation settings are the base model's, copied unchanged; the
+weights are the version's, in the precision the trainer held them."""
+        load = f"""Load it with `AutoModelForCausalLM.from_pretrained("{shown_as}")`, or serve it with vLLM
+(`LLM(model="{shown_as}")`)."""
+    else:
+        from orchestrator.export_adapter import card_text
+
+        front, opening, load = card_text(form, source.version, run.base_dir, str(shown_as))
     return f"""---
-library_name: transformers
+{front}
 tags:
 - inflight-rl
 - reinforcement-learning
@@ -400,14 +431,11 @@ tags:
 
 # {title}
 
-Policy version {source.version} of an inflight-rl run, exported by `inflight export-model`. The
-tokenizer, chat template and generation settings are the base model's, copied unchanged; the
-weights are the version's, in the precision the trainer held them.
+{opening}
 
 | | |
 |---|---|
 {table}
 
-Load it with `AutoModelForCausalLM.from_pretrained("{shown_as}")`, or serve it with vLLM
-(`LLM(model="{shown_as}")`).
+{load}
 """

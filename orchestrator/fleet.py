@@ -29,6 +29,7 @@ import anyio
 
 from orchestrator import activation as act
 from orchestrator.engines.base import Engine
+from orchestrator.fleet_adapters import AdapterStaging, AdapterStore
 from orchestrator.errors import EngineDeadError, EngineError
 from orchestrator.logging import get_logger
 from orchestrator.rollouts import (  # noqa: F401 - re-exported: the fleet's request half
@@ -49,12 +50,14 @@ class FleetTimeouts:
     poll_s: float = 0.02
 
 
-class Fleet(RolloutStreams):
+class Fleet(AdapterStaging, RolloutStreams):
     def __init__(self, engines: Sequence[Engine], *, strategy: act.Strategy = "pause_swap",
                  kv_policy: act.KvPolicy = "recompute", timeouts: act.PhaseTimeouts | None = None,
                  fleet_timeouts: FleetTimeouts | None = None, live_version: int = 0,
-                 max_redispatch: int = 3, on_outcome=None) -> None:
+                 max_redispatch: int = 3, on_outcome=None, adapters: AdapterStore | None = None) -> None:
+        """`adapters` (with strategy "adapter"): where each version's LoRA adapter is."""
         self.engines = {e.engine_id: e for e in engines}
+        self.init_adapters(adapters)
         self.coordinator = act.ActivationCoordinator(list(self.engines), strategy=strategy, kv_policy=kv_policy,
                                                      timeouts=timeouts, live_version=live_version)
         self.ft = fleet_timeouts or FleetTimeouts()
@@ -182,6 +185,7 @@ class Fleet(RolloutStreams):
             self._release_reports()
             self._settle_salts()
             await self._resume_leftovers()
+            await self._retire_adapters()
             for gate in self._gates.values():
                 gate.set()
             self._gates.clear()
@@ -209,6 +213,12 @@ class Fleet(RolloutStreams):
         await self._drop_all(drops)
         return record
 
+    async def _drop_staged(self, a: act.DropStaged) -> None:
+        if self.strategy == "adapter":
+            await self._drop_adapter(a.engine, a.version)
+        else:
+            await self._rpc(self.engines[a.engine], "swap_drop", str(a.version))
+
     async def _drop_all(self, drops: list[act.DropStaged]) -> None:
         """Send the drops at once, shielded under their own limit (cleanup of a cancelled
         activation or rejoin: an unsent drop leaves a version that never went live staged)."""
@@ -220,7 +230,7 @@ class Fleet(RolloutStreams):
 
     async def _drop_quietly(self, a: act.DropStaged) -> None:
         try:
-            await self._rpc(self.engines[a.engine], "swap_drop", str(a.version))
+            await self._drop_staged(a)
         except Exception as exc:  # noqa: BLE001 - a dead engine has nothing staged to keep
             log.warning("fleet.drop_failed", engine=a.engine, version=a.version, error=str(exc))
 
@@ -262,7 +272,7 @@ class Fleet(RolloutStreams):
                 # same breath as it asks for the drops; an unsent drop leaves a version that
                 # never went live in the engine's shadow, where a later rollback would flip it in.
                 with anyio.CancelScope(shield=True), anyio.move_on_after(self.ft.rpc_s):
-                    await self._rpc(engine, "swap_drop", str(a.version))
+                    await self._drop_staged(a)
                 return None
             if isinstance(a, act.Drain):
                 self._gates.setdefault(e, anyio.Event())
@@ -371,6 +381,8 @@ class Fleet(RolloutStreams):
                 track.kv_mode = "keep" if keeps else policy
 
     async def _stage(self, engine: Engine, a: act.Stage) -> act.Event:
+        if self.strategy == "adapter":
+            return await self._stage_adapter(engine, a)
         if a.rollback:
             state = await self._rpc(engine, "swap_live_version")
             if state.get("shadow") is None:

@@ -244,7 +244,8 @@ def chat_template_of(model_dir: str | Path) -> str:
     return template if isinstance(template, str) else json.dumps(template, sort_keys=True)
 
 
-def policy_identity(model_dir: str | Path, serving_precision: str, logprobs_mode: str) -> PolicyIdentity:
+def policy_identity(model_dir: str | Path, serving_precision: str, logprobs_mode: str,
+                    adapter: str | None = None) -> PolicyIdentity:
     """What names the policy besides its version: the base checkpoint's weights, the tokenizer
     and chat template (hashes of the files the engine loaded), precision and logprobs mode."""
     model = Path(model_dir).resolve()
@@ -255,6 +256,7 @@ def policy_identity(model_dir: str | Path, serving_precision: str, logprobs_mode
         chat_template_hash=hashlib.sha256(template.encode()).hexdigest()[:16] if template else "",
         serving_precision=serving_precision,
         logprobs_mode=logprobs_mode,
+        adapter=adapter,
     )
 
 

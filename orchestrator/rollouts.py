@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import anyio
 
-from orchestrator.engines.base import SamplingSettings
+from orchestrator.engines.base import SamplingSettings, VersionSpan
 from orchestrator.errors import ActivationError, EngineDeadError, EngineError, FencedEngineError
 from orchestrator.logging import get_logger
 
@@ -149,7 +149,7 @@ def _compress(points: list[tuple[int, int]]) -> list[tuple[int, int]]:
 
 
 class RolloutStreams:
-    """Mixed into `Fleet`: requires `engines`, `coordinator`, `ft`, `tracks`, `completions`,
+    """Mixed into `Fleet`: requires `engines`, `coordinator`, `ft`, `tracks`, `request_adapter`,
     `_gates`, `_gate_waiters`, `_paused`, `_deferred_aborts`, `_reports_due`, `_salt_unsettled`, `_salt_version`,
     `_rr` and `live_version`."""
 
@@ -211,7 +211,10 @@ class RolloutStreams:
         spans = None
         finish = None
         status, reason, message = "completed", "", ""
-        kwargs = {"final_only": True} if final_only else {}
+        kwargs: dict = {"final_only": True} if final_only else {}
+        adapter = self.request_adapter(track.dispatched_version)
+        if adapter is not None:
+            kwargs["adapter"] = adapter
         try:
             with anyio.CancelScope() as scope:
                 track.cancel = scope
@@ -265,6 +268,10 @@ class RolloutStreams:
             raise
         finally:
             self.tracks.pop(rid, None)
+        if self.strategy == "adapter":
+            # Its adapter is its version, first token to last; the engine's labels say nothing
+            # about adapters (every engine stays labelled 0).
+            spans = [VersionSpan(track.dispatched_version, 0, len(tokens))] if tokens else None
         if tokens and not spans_cover(spans, len(tokens)):
             # The per-token versions then fall back to the dispatched one (raised by the swaps'
             # reports): say so, since that is the fleet's inference, not the engine's label.

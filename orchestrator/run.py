@@ -191,9 +191,10 @@ class Run:
 
     async def _setup(self) -> list:
         from orchestrator.engines import make_engine
-        from orchestrator.fleet import Fleet
+        from orchestrator.fleet_adapters import make_fleet
         from orchestrator.metrics import RunMetrics
         from orchestrator.model import ensure_model
+        from orchestrator.fleet_adapters import adapter_identity
         from orchestrator.recording import Recorder, policy_identity
         from orchestrator.resume import DispatchJournal
         from orchestrator.scoring import make_scorer
@@ -207,7 +208,7 @@ class Run:
         with self.startup.phase("model"):
             model_dir = str(await anyio.to_thread.run_sync(
                 lambda: ensure_model(config.engine.model, preset=config.run.model_preset, seed=config.run.seed)))
-        self.identity = policy_identity(model_dir, config.engine.dtype, self.logprobs_mode)
+        self.identity = policy_identity(model_dir, config.engine.dtype, self.logprobs_mode, adapter_identity(config))
         self.metrics = RunMetrics()
         self.recorder = Recorder(self.run_dir, fsync_every_records=config.run.fsync_every_records,
                                  fsync_every_ms=config.run.fsync_every_ms, on_record=self.metrics.on_record)
@@ -252,9 +253,10 @@ class Run:
             tg.start_soon(start_trainer)
             tg.start_soon(start_scorer)
             tg.start_soon(start_engines)
-        self.fleet = Fleet.from_config(self.engines, config.activation)
+        self.fleet = make_fleet(self.engines, config, ready.weights_root)
         with self.startup.phase("fleet"):
-            await self.fleet.setup(ready.plan_json, ready.weights_root, timeout_s=config.transport.timeout_s)
+            if config.trainer.lora is None:  # adapters need no receiver in the workers
+                await self.fleet.setup(ready.plan_json, ready.weights_root, timeout_s=config.transport.timeout_s)
         with self.startup.phase("restore"):
             restored = await self._restore(ready)
             if ready.version > 0:  # resumed: serve the newest published weights before any rollout

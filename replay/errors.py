@@ -10,6 +10,10 @@
     |   +-- UnknownRecordTypeError   a record type this reader does not know (a newer
     |                                writer's); readers skip and count it instead of failing
     +-- LogNotFoundError         a directory that holds no replay log
+    +-- AdapterError             a LoRA adapter version that cannot be merged into the base
+                                 (unreadable, lora_A without lora_B, a target the base lacks,
+                                 a shape that does not fit, a config the engines do not
+                                 serve); names the file and the tensor or config key
 
 `InvalidRecordError` deliberately does not derive from `ValueError`/`TypeError`: msgspec wraps
 those when they escape `__post_init__` during decoding, and we want the field name to survive.
@@ -65,3 +69,16 @@ class UnknownRecordTypeError(InvalidRecordError):
 
 class LogNotFoundError(ReplayError):
     """The given directory holds no replay log segments."""
+
+
+class AdapterError(ReplayError):
+    """A LoRA adapter that cannot be merged into its base model; names the file and, when one
+    is at fault, the tensor or the adapter_config.json key."""
+
+    def __init__(self, file: str, reason: str, *, tensor: str | None = None, key: str | None = None) -> None:
+        self.file = file
+        self.reason = reason
+        self.tensor = tensor
+        self.key = key
+        what = f"tensor `{tensor}`: " if tensor else f"`{key}`: " if key else ""
+        super().__init__(f"adapter {file}: {what}{reason}")

@@ -18,7 +18,7 @@ from typing import Literal
 
 import msgspec
 
-from orchestrator.errors import ConfigError
+from orchestrator.errors import ConfigError, EngineGenerateError
 from replay.errors import InvalidRecordError
 from replay.records import SamplingSettings
 
@@ -43,6 +43,15 @@ class VersionSpan(msgspec.Struct, frozen=True, array_like=True):
     version: int
     start: int
     end: int
+
+
+class AdapterRef(msgspec.Struct, frozen=True):
+    """A LoRA adapter as an engine serves it: a name unique to one set of weights (vLLM keys
+    its prefix cache by it), an integer id (the in-process engine's), and its PEFT directory."""
+
+    name: str
+    int_id: int
+    path: str
 
 
 class TokenChunk(msgspec.Struct):
@@ -124,7 +133,7 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def generate(self, request_id: str, prompt_token_ids: Sequence[int],
                  sampling: SamplingSettings, cache_salt: str | None = None,
-                 final_only: bool = False) -> AsyncIterator[TokenChunk]:
+                 final_only: bool = False, adapter: AdapterRef | None = None) -> AsyncIterator[TokenChunk]:
         """Stream the completion of one request. Raises EngineGenerateError when the request
         fails, EngineDeadError when the engine is gone, EngineTimeoutError past the
         per-chunk timeout. A request aborted with `abort()` ends with finish_reason "abort".
@@ -132,7 +141,19 @@ class Engine(abc.ABC):
         Requests reuse cached prefixes only from requests with the same `cache_salt`; the
         fleet salts with the dispatched version so that no new request reads keys/values
         computed under older weights. `final_only` asks for one chunk at the end (an engine
-        may still stream)."""
+        may still stream). `adapter`: sample with this loaded LoRA adapter (None: the base)."""
+
+    async def load_adapter(self, adapter: AdapterRef) -> None:
+        """Load a LoRA adapter beside those serving (no pause); needs engine.enable_lora."""
+        raise EngineGenerateError(self.engine_id, f"{type(self).__name__} cannot load LoRA adapters")
+
+    async def unload_adapter(self, adapter: AdapterRef) -> None:
+        """Unload an adapter no request uses any more."""
+        raise EngineGenerateError(self.engine_id, f"{type(self).__name__} cannot unload LoRA adapters")
+
+    async def loaded_adapters(self) -> list[str]:
+        """The names of the adapters the engine holds now (its own answer)."""
+        return []
 
     @abc.abstractmethod
     async def abort(self, request_id: str) -> None:

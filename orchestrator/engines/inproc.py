@@ -11,6 +11,7 @@ import anyio
 from orchestrator.config import EngineConfig
 from orchestrator.engines.base import (
     PAUSE_MODES,
+    AdapterRef,
     SKIP_ISA_PROBE,
     Engine,
     PauseMode,
@@ -53,6 +54,7 @@ class InProcessEngine(Engine):
         self.engine_id = engine_id
         self._llm = None
         self._dead = False
+        self._adapter_names: dict[int, str] = {}  # int id -> name, of adapters loaded here
 
     # -- life cycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -78,6 +80,11 @@ class InProcessEngine(Engine):
         )
         if self.config.logprobs_mode:
             kwargs["logprobs_mode"] = self.config.logprobs_mode
+        if self.config.enable_lora:
+            # max_cpu_loras = max_loras: the fleet unloads what no request uses, so vLLM's own
+            # cache never evicts (and later reloads from disk) an adapter a request still names.
+            kwargs.update(enable_lora=True, max_lora_rank=self.config.max_lora_rank,
+                          max_loras=self.config.max_loras, max_cpu_loras=self.config.max_loras)
         if self.config.worker_extension_cls:
             kwargs["worker_extension_cls"] = self.config.worker_extension_cls
         if self.config.weight_transfer_backend:
@@ -120,7 +127,7 @@ class InProcessEngine(Engine):
 
     async def generate(self, request_id: str, prompt_token_ids: Sequence[int],
                        sampling: SamplingSettings, cache_salt: str | None = None,
-                       final_only: bool = False) -> AsyncIterator[TokenChunk]:
+                       final_only: bool = False, adapter: AdapterRef | None = None) -> AsyncIterator[TokenChunk]:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
         from vllm.v1.engine.exceptions import EngineDeadError as VllmDead
@@ -138,7 +145,7 @@ class InProcessEngine(Engine):
         prompt: dict = {"prompt_token_ids": list(prompt_token_ids)}
         if cache_salt is not None:
             prompt["cache_salt"] = cache_salt
-        stream = self.llm.generate(prompt, params, request_id)
+        stream = self.llm.generate(prompt, params, request_id, lora_request=_lora_request(adapter))
         try:
             while True:
                 try:
@@ -170,6 +177,27 @@ class InProcessEngine(Engine):
     async def abort_many(self, request_ids: Sequence[str]) -> None:
         with anyio.fail_after(self.config.control_timeout_s):
             await self.llm.abort(list(request_ids))
+
+    # -- LoRA adapters ------------------------------------------------------------------------
+    async def load_adapter(self, adapter: AdapterRef) -> None:
+        if not self.config.enable_lora:
+            raise EngineGenerateError(self.engine_id, "LoRA is not enabled on this engine (engine.enable_lora)")
+        self._adapter_names[adapter.int_id] = adapter.name  # before the call: it may load though cancelled
+        try:
+            loaded = await self._control(self.llm.add_lora(_lora_request(adapter)), f"add_lora({adapter.name})")
+        except (ValueError, RuntimeError, OSError) as exc:  # vLLM refused the adapter's files
+            raise EngineGenerateError(self.engine_id, f"adapter {adapter.name} at {adapter.path}: {exc}") from exc
+        if loaded is False:
+            raise EngineGenerateError(self.engine_id, f"adapter {adapter.name} at {adapter.path}: not loaded")
+
+    async def unload_adapter(self, adapter: AdapterRef) -> None:
+        await self._control(self.llm.remove_lora(adapter.int_id), f"remove_lora({adapter.name})")
+        self._adapter_names.pop(adapter.int_id, None)
+
+    async def loaded_adapters(self) -> list[str]:
+        """The engine's own list (its integer ids), named as they were loaded here."""
+        ids = await self._control(self.llm.list_loras(), "list_loras")
+        return sorted(self._adapter_names.get(i, f"lora-id-{i}") for i in ids)
 
     # -- control ----------------------------------------------------------------------------
     async def pause(self, mode: PauseMode = "keep", clear_cache: bool = True) -> None:
@@ -218,3 +246,11 @@ class InProcessEngine(Engine):
         except VllmDead as exc:
             self._dead = True
             raise EngineDeadError(self.engine_id, f"{what}: engine died ({exc})") from exc
+
+
+def _lora_request(adapter: AdapterRef | None):
+    if adapter is None:
+        return None
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(adapter.name, adapter.int_id, adapter.path)

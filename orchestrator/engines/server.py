@@ -34,6 +34,7 @@ import httpx
 from orchestrator.config import EngineConfig
 from orchestrator.engines.base import (
     PAUSE_MODES,
+    AdapterRef,
     SKIP_ISA_PROBE,
     Engine,
     PauseMode,
@@ -95,6 +96,9 @@ def server_command(config: EngineConfig, port: int) -> list[str]:
         cmd += ["--worker-extension-cls", config.worker_extension_cls]
     if config.weight_transfer_backend:
         cmd += ["--weight-transfer-config", json.dumps({"backend": config.weight_transfer_backend})]
+    if config.enable_lora:
+        cmd += ["--enable-lora", "--max-lora-rank", str(config.max_lora_rank), "--max-loras", str(config.max_loras),
+                "--max-cpu-loras", str(config.max_loras)]
     return cmd
 
 
@@ -154,6 +158,8 @@ class ServerEngine(Engine):
         self.log_path = log_dir / f"{self.engine_id}.log"
         env = {**SKIP_ISA_PROBE, **os.environ}
         env["VLLM_SERVER_DEV_MODE"] = "1"
+        if self.config.enable_lora:  # /v1/load_lora_adapter and /v1/unload_lora_adapter exist only with it
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(self.config.kv_cache_gib)))
         with open(self.log_path, "ab") as log_file:
             # Its own session: the whole tree (api server, engine core, worker) is one group.
@@ -273,7 +279,7 @@ class ServerEngine(Engine):
 
     async def generate(self, request_id: str, prompt_token_ids: Sequence[int],
                        sampling: SamplingSettings, cache_salt: str | None = None,
-                       final_only: bool = False) -> AsyncIterator[TokenChunk]:
+                       final_only: bool = False, adapter: AdapterRef | None = None) -> AsyncIterator[TokenChunk]:
         # final_only is a hint: the server always streams (its SSE chunks carry the versions).
         check_sampling(sampling)
         if not prompt_token_ids:
@@ -287,6 +293,8 @@ class ServerEngine(Engine):
         }
         if cache_salt is not None:
             body["cache_salt"] = cache_salt
+        if adapter is not None:
+            body["model"] = adapter.name  # the server resolves a loaded adapter by its name
         timeout = httpx.Timeout(self.config.control_timeout_s, read=self.config.chunk_timeout_s)
         what = f"request {request_id}"
         try:
@@ -352,6 +360,17 @@ class ServerEngine(Engine):
             body["timeout"] = timeout
         result = await self._post("/collective_rpc", json=body, timeout=timeout)
         return result.get("results", result) if isinstance(result, dict) else result
+
+    async def load_adapter(self, adapter: AdapterRef) -> None:
+        await self._post("/v1/load_lora_adapter", json={"lora_name": adapter.name, "lora_path": adapter.path})
+
+    async def unload_adapter(self, adapter: AdapterRef) -> None:
+        await self._post("/v1/unload_lora_adapter", json={"lora_name": adapter.name})
+
+    async def loaded_adapters(self) -> list[str]:
+        """The adapters /v1/models lists (each names its base model as its parent)."""
+        cards = (await self._request("GET", "/v1/models")).get("data") or []
+        return sorted(c["id"] for c in cards if c.get("parent"))
 
     async def healthy(self) -> bool:
         if self._dead or self._client is None or self._process_gone():

@@ -149,6 +149,9 @@ class PolicyIdentity(msgspec.Struct, frozen=True):
     # Which distribution the recorded logprobs come from: "raw_logprobs" (the model's, before
     # temperature and other processing) or "processed_logprobs" (what was sampled from).
     logprobs_mode: str | None = None
+    # A LoRA run: the adapter trained on the frozen base (e.g. "lora r=16 alpha=32 targets=q_proj,
+    # v_proj"); the record's version names which adapter. None: the whole model is trained.
+    adapter: str | None = None
 
 
 class Timings(msgspec.Struct, frozen=True):

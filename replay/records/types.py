@@ -159,7 +159,7 @@ class ActivationRecord(msgspec.Struct, frozen=True, tag="activation", tag_field=
     engines: list[EngineActivation]
     activated_at: float | None = None
     message: str = ""
-    strategy: str = ""  # pause_swap, double_buffer or pause_free ("" in logs before it existed)
+    strategy: str = ""  # pause_swap, double_buffer, pause_free or adapter ("" in logs before it existed)
     kv_policy: str = ""  # recompute, keep, drain or abort
     kv_carried: bool = False  # some in-flight request kept keys/values of the older version
 

@@ -56,6 +56,7 @@ class SimEngine:
     weights: int = 0  # the version its weights hold
     label: int = 0  # the version its tokens are labelled with
     staged: int | None = None
+    held: set = field(default_factory=lambda: {0})  # adapter strategy: versions loaded (0: the base)
 
 
 @dataclass
@@ -86,6 +87,8 @@ class Sim:
                 # Like the worker's swap_drop(version): only the named version is dropped.
                 if isinstance(action, DropStaged) and self.engines[action.engine].staged == action.version:
                     self.engines[action.engine].staged = None
+                if isinstance(action, DropStaged) and action.version != self.coord.live_version:
+                    self.engines[action.engine].held.discard(action.version)
             else:
                 if isinstance(action, Pause):
                     self.pauses_owed[action.engine] = self.pauses_owed.get(action.engine, 0) + 1
@@ -122,6 +125,7 @@ class Sim:
             return StepFailed(engine=action.engine, at=at, step=step, error="injected")
         if isinstance(action, Stage):
             e.staged = action.version
+            e.held.add(action.version)  # an adapter is loaded beside the others
             return Staged(engine=action.engine, at=at, version=action.version)
         if isinstance(action, Drain):
             return Drained(engine=action.engine, at=at)
@@ -152,18 +156,22 @@ class Sim:
         if after != before:
             # the live version changes only once every engine still in the fleet applied it
             for name in self.coord.engines:
-                if name not in self.coord.fenced:
+                if name not in self.coord.fenced and self.coord.strategy == "adapter":
+                    assert after in self.engines[name].held, (name, self.engines[name])
+                elif name not in self.coord.fenced:
                     assert self.engines[name].weights == after, (name, self.engines[name])
                     assert self.engines[name].label == after
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(),
-       strategy=st.sampled_from(["pause_swap", "double_buffer", "pause_free"]),
+       strategy=st.sampled_from(["pause_swap", "double_buffer", "pause_free", "adapter"]),
        policy=st.sampled_from(["recompute", "keep", "drain", "abort"]))
 def test_random_orders_and_failures_keep_the_invariants(data, strategy, policy):
     if strategy == "pause_free" and policy == "recompute":
         policy = "keep"
+    if strategy == "adapter":
+        policy = "drain"  # what the fleet runs it with (nothing is drained: requests keep their adapter)
     sim = Sim(ActivationCoordinator(ENGINES, strategy=strategy, kv_policy=policy))
     version = 0
     for _activation in range(data.draw(st.integers(1, 3), label="activations")):
@@ -232,7 +240,10 @@ def test_random_orders_and_failures_keep_the_invariants(data, strategy, policy):
             assert not sim.coord.may_dispatch(name)
         # every engine that serves (a joiner included, once unfenced) holds the live version
         for name in sim.coord.serving:
-            if not sim.engines[name].dead:
+            if strategy == "adapter":  # nothing paused, swapped or labelled: it holds the adapter
+                assert not sim.engines[name].paused and sim.pauses_owed.get(name, 0) == 0
+                assert sim.engines[name].dead or sim.coord.live_version in sim.engines[name].held, name
+            elif not sim.engines[name].dead:
                 assert (sim.engines[name].weights, sim.engines[name].label) == (sim.coord.live_version,) * 2, name
 
 
@@ -551,3 +562,38 @@ def test_a_rejoin_that_ends_during_an_activation_joins_it_rather_than_serve_the_
     assert [(a.engine, a.version) for a in rest if isinstance(a, Unfence)] == [("c", 2)]
     assert [a.outcome for a in rest if isinstance(a, Record)] == [ACTIVATED]
     assert coord.live_version == 2 and coord.serving == ("a", "b", "c")
+
+
+def test_the_adapter_strategy_stages_then_makes_the_version_live_with_no_pause_swap_or_label():
+    coord = ActivationCoordinator(["a", "b"], strategy="adapter", kv_policy="drain")
+    actions = coord.begin(1, 0.0)
+    assert sorted(a.engine for a in actions if isinstance(a, Stage)) == ["a", "b"]
+    assert coord.handle(Staged(engine="a", at=1.0, version=1)) == []
+    assert coord.live_version == 0, "live only once every engine holds the adapter"
+    done = coord.handle(Staged(engine="b", at=2.0, version=1))
+    assert [type(a) for a in done] == [Record]
+    record = done[0]
+    assert (record.outcome, record.strategy, record.kv_carried) == (ACTIVATED, "adapter", False)
+    assert all(e.pause_s == 0.0 for e in record.engines)
+    assert coord.live_version == 1 and coord.idle
+
+
+def test_the_adapter_strategy_rolls_back_when_one_engine_refuses_the_load():
+    coord = ActivationCoordinator(["a", "b"], strategy="adapter", kv_policy="drain")
+    coord.begin(1, 0.0)
+    coord.handle(Staged(engine="a", at=1.0, version=1))
+    out = coord.handle(StageFailed(engine="b", at=2.0, version=1, error="disk"))
+    assert sorted(a.engine for a in out if isinstance(a, DropStaged)) == ["a", "b"]
+    record = [a for a in out if isinstance(a, Record)][0]
+    assert record.outcome == ROLLED_BACK and "disk" in record.message
+    assert coord.live_version == 0 and coord.serving == ("a", "b")
+
+
+def test_a_fenced_engine_rejoins_the_adapter_strategy_by_loading_the_live_adapter():
+    coord = ActivationCoordinator(["a", "b"], strategy="adapter", kv_policy="drain", live_version=3)
+    coord.handle(EngineDied(engine="b", at=0.0, error="gone"))
+    actions = coord.rejoin("b", 1.0)
+    assert [a for a in actions if isinstance(a, Stage)] == [Stage(engine="b", version=3)]
+    out = coord.handle(Staged(engine="b", at=2.0, version=3))
+    assert out == [Unfence(engine="b", version=3)] and coord.serving == ("a", "b")
+

@@ -1,0 +1,220 @@
+"""LoRA versions on real vLLM engines (the `adapter` activation strategy): each version is a
+PEFT adapter loaded natively beside the serving ones, activated with no pause; every token's
+logprob equals a transformers forward of base + that version's adapter; a load refused on one
+engine activates nothing; at most `max_loras` adapters stay loaded while requests under old
+adapters finish on them; no prefix-cache entry crosses adapter versions."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from orchestrator import activation as act
+from orchestrator.config import EngineConfig
+from orchestrator.engines.base import SamplingSettings
+from orchestrator.errors import EngineGenerateError
+from orchestrator.fleet import Fleet
+from orchestrator.fleet_adapters import AdapterStore, adapter_name
+from tests.integration.lora_helpers import make_adapter, reference_logprobs
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(900)]
+TOL = 1e-3
+SAMPLING = SamplingSettings(temperature=1.0, max_tokens=12, ignore_eos=True, seed=0)
+PROMPTS = [[5, 17, 33, 9, 12], [40, 41, 42], [7, 7, 8, 100, 3, 64]]
+MAX_LORAS = 3
+
+
+def lora_engine_config(model_dir, **kw) -> EngineConfig:
+    return EngineConfig(model=str(model_dir), kind="inproc", max_model_len=512, max_num_seqs=16,
+                        enable_lora=True, max_lora_rank=8, max_loras=MAX_LORAS, **kw)
+
+
+@pytest.fixture(scope="module")
+async def engine(tiny_model_dir):
+    from orchestrator.engines.inproc import InProcessEngine
+
+    e = InProcessEngine(lora_engine_config(tiny_model_dir), "lora-inproc")
+    await e.start()
+    try:
+        yield e
+    finally:
+        await e.shutdown()
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("lora-weights")
+
+
+def fleet_of(engines, root, live: int = 0) -> Fleet:
+    return Fleet(engines, strategy="adapter", kv_policy="drain", live_version=live,
+                 adapters=AdapterStore(root=root, max_loras=MAX_LORAS))
+
+
+async def unload_all(engine, root) -> None:
+    """The module's engine is shared: a test starts with no adapter loaded."""
+    for name in await engine.loaded_adapters():
+        await engine.unload_adapter(AdapterStore(root, MAX_LORAS).ref(int(name.removeprefix("inflight-v"))))
+    assert await engine.loaded_adapters() == []
+
+
+def check_against_reference(model_dir, root, completion, version):
+    adapter_dir = None if version == 0 else root / f"v{version:08d}"
+    ref = reference_logprobs(model_dir, adapter_dir, completion.prompt_token_ids, completion.token_ids)
+    err = max(abs(a - b) for a, b in zip(ref, completion.logprobs))
+    assert err <= TOL, f"v{version}: max |engine - transformers(base + adapter)| = {err}"
+
+
+async def test_each_version_is_activated_with_no_pause_and_samples_under_its_adapter(engine, tiny_model_dir, root):
+    fleet = fleet_of([engine], root)
+    for version in (1, 2):
+        make_adapter(tiny_model_dir, root, version, seed=100 + version)
+        record = await fleet.activate(version)
+        assert record.outcome == act.ACTIVATED, record.message
+        assert record.strategy == "adapter"
+        assert all(e.pause_s == 0.0 for e in record.engines), "an adapter activation never pauses an engine"
+        assert fleet.live_version == version
+        for prompt in PROMPTS:
+            c = await fleet.generate(prompt, SAMPLING)
+            assert c.status == "completed", c.message
+            assert c.changes == [(0, version)] and c.dispatched_version == version
+            check_against_reference(tiny_model_dir, root, c, version)
+    # The adapter really changes what is sampled: version 0 (the base) differs from version 2.
+    base = reference_logprobs(tiny_model_dir, None, c.prompt_token_ids, c.token_ids)
+    assert max(abs(a - b) for a, b in zip(base, c.logprobs)) > 1e-2
+    # Version 1 is retired once version 2 is live and nothing uses it.
+    assert await engine.loaded_adapters() == [adapter_name(2)]
+
+
+async def test_requests_in_flight_finish_on_their_adapter_and_at_most_max_loras_stay_loaded(
+        engine, tiny_model_dir, root):
+    fleet = fleet_of([engine], root, live=2)
+    fleet.resident[engine.engine_id] = {2: fleet.request_adapter(2)}  # loaded by the test above
+    long = SamplingSettings(temperature=1.0, max_tokens=400, ignore_eos=True, seed=1)
+    seen_in_flight: list[int] = []
+    most_loaded = 0
+    async with anyio.create_task_group() as tg:
+        results: list = []
+
+        async def one(prompt):
+            results.append(await fleet.generate(prompt, long))
+
+        for prompt in PROMPTS:
+            tg.start_soon(one, prompt)
+        while len(fleet.tracks) < len(PROMPTS) or not any(t.n_tokens for t in fleet.tracks.values()):
+            await anyio.sleep(0.01)
+        for version in range(3, 23):
+            make_adapter(tiny_model_dir, root, version, seed=100 + version)
+            record = await fleet.activate(version)
+            assert record.outcome == act.ACTIVATED, record.message
+            loaded = await engine.loaded_adapters()
+            most_loaded = max(most_loaded, len(loaded))
+            assert len(loaded) <= MAX_LORAS, f"after v{version}: {loaded}"
+            if fleet.tracks:
+                seen_in_flight.append(version)
+                assert adapter_name(2) in loaded, "an adapter a request still uses was unloaded"
+            # a request sent now samples under the new version
+            c = await fleet.generate(PROMPTS[0], SAMPLING)
+            assert c.changes == [(0, version)], c.changes
+    assert seen_in_flight, "the long requests ended before the first activation: nothing was shown"
+    assert len(results) == len(PROMPTS)
+    for c in results:
+        assert c.status == "completed" and len(c.token_ids) == 400
+        assert c.changes == [(0, 2)], "a request in flight finished on the adapter it began with"
+        check_against_reference(tiny_model_dir, root, c, 2)
+    make_adapter(tiny_model_dir, root, 23, seed=123)
+    assert (await fleet.activate(23)).outcome == act.ACTIVATED
+    assert await engine.loaded_adapters() == [adapter_name(23)], "v2 is retired once its requests ended"
+
+
+async def test_no_prefix_cache_entry_crosses_adapter_versions(engine, tiny_model_dir, root):
+    """Straight to vLLM, without the fleet's version salt: the adapter's name alone fences."""
+    from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    await unload_all(engine, root)
+    for version in (30, 31):
+        path = make_adapter(tiny_model_dir, root, version, seed=version)
+        await engine.load_adapter(AdapterStore(root, MAX_LORAS).ref(version))
+        assert str(path) == AdapterStore(root, MAX_LORAS).ref(version).path
+    prompt = {"prompt_token_ids": [(i * 7) % 300 + 3 for i in range(300)]}
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+
+    async def cached_tokens(version: int, rid: str) -> int:
+        ref = AdapterStore(root, MAX_LORAS).ref(version)
+        out = None
+        async for out in engine.llm.generate(prompt, params, rid, lora_request=LoRARequest(ref.name, ref.int_id, ref.path)):
+            pass
+        return out.num_cached_tokens or 0
+
+    await engine.reset_prefix_cache()
+    assert await cached_tokens(30, "pc-a") == 0
+    assert await cached_tokens(30, "pc-b") > 0, "the same prompt under the same adapter hits the cache"
+    assert await cached_tokens(31, "pc-c") == 0, "another version's adapter must not read v30's blocks"
+    for version in (30, 31):
+        await engine.unload_adapter(AdapterStore(root, MAX_LORAS).ref(version))
+
+
+class RefusesVersion:
+    """Fault injection: an engine whose adapter load of one version fails (a disk error)."""
+
+    def __init__(self, engine, version: int) -> None:
+        self._engine, self.version = engine, version
+        self.engine_id = engine.engine_id
+
+    async def load_adapter(self, adapter):
+        if adapter.int_id == self.version:
+            raise EngineGenerateError(self.engine_id, f"injected: cannot load {adapter.name}")
+        return await self._engine.load_adapter(adapter)
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+
+async def test_a_load_refused_on_one_engine_activates_nothing_then_the_next_version_does(
+        engine, tiny_model_dir, root, engine_log_dir):
+    """Two engines, one a vLLM server (its adapters load over HTTP): the server refuses v41."""
+    from orchestrator.engines.server import ServerEngine
+
+    server = ServerEngine(EngineConfig(model=str(tiny_model_dir), kind="server", max_model_len=512, max_num_seqs=16,
+                                       enable_lora=True, max_lora_rank=8, max_loras=MAX_LORAS,
+                                       control_timeout_s=300.0), "lora-server", log_dir=engine_log_dir)
+    await server.start()
+    try:
+        await unload_all(engine, root)
+        faulty = RefusesVersion(server, 41)
+        fleet = fleet_of([engine, faulty], root)
+        make_adapter(tiny_model_dir, root, 40, seed=40)
+        assert (await fleet.activate(40)).outcome == act.ACTIVATED
+        make_adapter(tiny_model_dir, root, 41, seed=41)
+        record = await fleet.activate(41)
+        assert record.outcome == act.ROLLED_BACK, record
+        assert "injected" in record.message
+        assert fleet.live_version == 40
+        assert adapter_name(41) not in await engine.loaded_adapters(), "the engine that loaded v41 dropped it"
+        for prompt in PROMPTS:  # both engines still serve v40
+            for target in (engine.engine_id, server.engine_id):
+                c = await fleet.generate(prompt, SAMPLING, engine_id=target)
+                assert c.status == "completed" and c.changes == [(0, 40)]
+                check_against_reference(tiny_model_dir, root, c, 40)
+        make_adapter(tiny_model_dir, root, 42, seed=42)
+        assert (await fleet.activate(42)).outcome == act.ACTIVATED
+        c = await fleet.generate(PROMPTS[0], SAMPLING, engine_id=server.engine_id)
+        assert c.changes == [(0, 42)]
+        check_against_reference(tiny_model_dir, root, c, 42)
+        assert await server.loaded_adapters() == [adapter_name(42)]
+    finally:
+        await server.shutdown()
+
+
+async def test_a_corrupt_adapter_fails_the_stage_naming_the_tensor(engine, tiny_model_dir, root):
+    await unload_all(engine, root)
+    fleet = fleet_of([engine], root)
+    path = make_adapter(tiny_model_dir, root, 50, seed=50)
+    data = bytearray((path / "adapter_model.safetensors").read_bytes())
+    data[-8:] = b"\xff" * 8  # the last tensor's last values become NaN
+    (path / "adapter_model.safetensors").write_bytes(bytes(data))
+    record = await fleet.activate(50)
+    assert record.outcome == act.ROLLED_BACK
+    assert "AdapterError" in record.message and "lora_" in record.message, record.message
+    assert fleet.live_version == 0
