@@ -6,6 +6,9 @@
     ├── TransportUnavailableError   the transport cannot run here (package or device missing); says why
     ├── TransportConfigError        a request that cannot be honoured (also a `ValueError`),
     │                               e.g. a collective transport asked for a LoRA adapter
+    ├── AdapterError                a published LoRA adapter directory that is missing a file or
+    │                               is corrupt (`transports.adapters.check_adapter`); `.path`
+    │                               names the file, `.tensor` the tensor when one is at fault
     └── RefitMismatchError          a received tensor disagrees with the refit info; `.tensor`
         │                           names it, `.reason` says how (shape, dtype, unexpected)
         ├── MissingTensorError      a tensor of the refit info never arrived
@@ -46,6 +49,22 @@ class TransportConfigError(TransportError, ValueError):
     """A request the factory or a transport cannot honour."""
 
 
+class AdapterError(TransportError):
+    """A LoRA adapter directory that cannot be served as it is. `.path` names the file,
+    `.tensor` the tensor at fault (None when the file itself is: missing, not JSON, a torn
+    safetensors header, whose message then gives the byte offset)."""
+
+    def __init__(self, path: str, reason: str, tensor: str | None = None):
+        self.path = str(path)
+        self.reason = reason
+        self.tensor = tensor
+        where = f"{self.path}: tensor {tensor!r}" if tensor is not None else self.path
+        super().__init__(f"{where}: {reason}")
+
+    def __reduce__(self):  # survives pickling across processes
+        return (type(self), (self.path, self.reason, self.tensor))
+
+
 class RefitMismatchError(TransportError):
     """A received tensor disagrees with the refit info. `.tensor` names it."""
 
@@ -79,6 +98,8 @@ def describe_error(exc: BaseException) -> dict[str, Any]:
         out.update(tensor=exc.tensor, reason=exc.reason)
     elif isinstance(exc, TransportTimeoutError):
         out.update(what=exc.what, timeout_s=exc.timeout_s)
+    elif isinstance(exc, AdapterError):
+        out.update(path=exc.path, reason=exc.reason, tensor=exc.tensor)
     return out
 
 
@@ -90,6 +111,8 @@ def rebuild_error(info: Mapping[str, Any]) -> TransportError:
         return _REFIT_ERRORS[kind](info["tensor"], info.get("reason", ""))
     if kind == "TransportTimeoutError" and "what" in info:
         return TransportTimeoutError(info["what"], float(info.get("timeout_s", 0.0)))
+    if kind == "AdapterError" and "path" in info:
+        return AdapterError(info["path"], info.get("reason", ""), info.get("tensor"))
     if kind in _PLAIN_ERRORS:
         return _PLAIN_ERRORS[kind](info.get("message", ""))
     return TransportError(f"{kind}: {info.get('message', '')}")

@@ -8,6 +8,11 @@ version from the checkpoint (the same weights): a version number never names two
 meta.json also holds the step's consumption (rollout ids, advantages, log-ratio statistics),
 so an orchestrator that crashed after the trainer finished a step can still record it
 (`latest(run_dir)`).
+
+A LoRA run (`trainer.lora`, `orchestrator.trainer.lora`) checkpoints the adapter alone:
+model.safetensors holds the adapter's tensors under PEFT's names, optimizer.pt the state of
+the adapter's parameters (the only ones the optimizer has), meta.json `lora: true`. A
+checkpoint of one kind is refused by a trainer of the other (`check_kind`).
 """
 
 from __future__ import annotations
@@ -42,9 +47,11 @@ class CheckpointMeta(msgspec.Struct, frozen=True):
     version: int  # the version these weights are published as (== step)
     consumption: Consumption
     created_unix: float
+    # New fields only here, with defaults: older meta.json files still read.
+    lora: bool = False  # the model files hold a LoRA adapter alone (PEFT names), not the model
 
 
-class CheckpointError(Exception):
+class CheckpointError(RuntimeError):
     pass
 
 
@@ -83,16 +90,39 @@ def latest(run_dir: str | os.PathLike) -> CheckpointMeta | None:
     return read_meta(run_dir, steps[-1]) if steps else None
 
 
+def check_kind(run_dir: str | os.PathLike, step: int, lora: bool) -> CheckpointMeta:
+    """The meta of `step`'s checkpoint, which must be of the trainer's kind (`lora`: it trains
+    a LoRA adapter); CheckpointError (a RuntimeError) says which kind is which otherwise."""
+    meta = read_meta(run_dir, step)
+    if meta.lora != lora:
+        def kind(adapter: bool) -> str:
+            return "a LoRA run (trainer.lora set)" if adapter else "a full-model run (trainer.lora unset)"
+
+        raise CheckpointError(f"checkpoint {checkpoint_dir(run_dir, step)} was written by {kind(meta.lora)}, but "
+                              f"this trainer is {kind(lora)}: resume with the configuration the run was started "
+                              "with, or use a new run directory")
+    return meta
+
+
 def save(run_dir: str | os.PathLike, model, optimizer, meta: CheckpointMeta, keep: int) -> Path:
-    """Write the checkpoint of meta.step atomically and durably; keep the newest `keep`."""
+    """Write the checkpoint of meta.step atomically and durably; keep the newest `keep`. A LoRA
+    model's checkpoint holds its adapter alone."""
     import torch
-    from safetensors.torch import save_model
+    from safetensors.torch import save_file, save_model
+
+    from orchestrator.trainer import lora
+
+    adapter = lora.is_adapter(model)
 
     def write_state(tmp: Path) -> None:
-        save_model(model, str(tmp / MODEL_FILE))
+        if adapter:
+            save_file(lora.adapter_state(model), str(tmp / MODEL_FILE), metadata={"format": "pt"})
+        else:
+            save_model(model, str(tmp / MODEL_FILE))
         torch.save({"optimizer": optimizer.state_dict(), "torch_rng": torch.get_rng_state()}, tmp / OPTIMIZER_FILE)
 
-    return _write_checkpoint(run_dir, meta, keep, write_state)
+    # The kind is the model's, whatever the caller's meta said.
+    return _write_checkpoint(run_dir, msgspec.structs.replace(meta, lora=adapter), keep, write_state)
 
 
 def _write_checkpoint(run_dir: str | os.PathLike, meta: CheckpointMeta, keep: int,
@@ -125,14 +155,20 @@ def load(run_dir: str | os.PathLike, step: int, model, optimizer) -> CheckpointM
     """Restore model, optimizer and torch RNG from the checkpoint of `step` (written by a trainer
     of any world size)."""
     import torch
-    from safetensors.torch import load_model
+    from safetensors.torch import load_file, load_model
+
+    from orchestrator.trainer import lora
 
     path = checkpoint_dir(run_dir, step)
-    meta = read_meta(run_dir, step)
-    missing, unexpected = load_model(model, str(path / MODEL_FILE), strict=False)
-    if unexpected or [m for m in missing if not _tied(model, m)]:
-        raise CheckpointError(f"checkpoint {path}: weights do not fit the model "
-                              f"(missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})")
+    adapter = lora.is_adapter(model)
+    meta = check_kind(run_dir, step, adapter)
+    if adapter:
+        _load_adapter(path, model, load_file(str(path / MODEL_FILE)))
+    else:
+        missing, unexpected = load_model(model, str(path / MODEL_FILE), strict=False)
+        if unexpected or [m for m in missing if not _tied(model, m)]:
+            raise CheckpointError(f"checkpoint {path}: weights do not fit the model "
+                                  f"(missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})")
     state = torch.load(path / OPTIMIZER_FILE, weights_only=True)
     # Written under torchrun: keyed by parameter name.
     optimizer.load_state_dict(_by_index(model, state[FQN_OPTIMIZER]) if FQN_OPTIMIZER in state else state["optimizer"])
@@ -160,19 +196,23 @@ def save_full(run_dir: str | os.PathLike, model, optimizer, meta: CheckpointMeta
         get_optimizer_state_dict,
     )
 
+    from orchestrator.trainer import lora
+
+    adapter = lora.is_adapter(model)
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    model_state = get_model_state_dict(model, options=options)
+    # A LoRA model's adapter alone, gathered whole on every rank (small; collective).
+    model_state = lora.adapter_state(model) if adapter else get_model_state_dict(model, options=options)
     optim_state = get_optimizer_state_dict(model, optimizer, options=options)
     if rank != 0:
         return None
 
     def write_state(tmp: Path) -> None:
         # save_model's convention: the second name of a shared tensor (tied lm_head) is left out.
-        tensors = {k: v.contiguous() for k, v in model_state.items() if not _tied(model, k)}
+        tensors = {k: v.contiguous() for k, v in model_state.items() if adapter or not _tied(model, k)}
         save_file(tensors, str(tmp / MODEL_FILE), metadata={"format": "pt"})
         torch.save({FQN_OPTIMIZER: optim_state, "torch_rng": torch.get_rng_state()}, tmp / OPTIMIZER_FILE)
 
-    return _write_checkpoint(run_dir, meta, keep, write_state)
+    return _write_checkpoint(run_dir, msgspec.structs.replace(meta, lora=adapter), keep, write_state)
 
 
 def load_full(run_dir: str | os.PathLike, step: int, model, optimizer, rank: int) -> CheckpointMeta:
@@ -188,29 +228,29 @@ def load_full(run_dir: str | os.PathLike, step: int, model, optimizer, rank: int
         set_optimizer_state_dict,
     )
 
+    from orchestrator.trainer import lora
+
     path = checkpoint_dir(run_dir, step)
-    meta = read_meta(run_dir, step) if rank == 0 else None
+    adapter = lora.is_adapter(model)
+    meta = check_kind(run_dir, step, adapter) if rank == 0 else None
     model_state: dict = {}
     optim_state: dict = {}
     rng = [None]
     if rank == 0:
         model_state = load_file(str(path / MODEL_FILE))
-        expected = set(model.state_dict())
-        twins = _tied_twins(model)
-        for name in expected - set(model_state):
-            if twins.get(name) in model_state:
-                # A tied embedding is stored under one of its two names: `save` (safetensors'
-                # save_model) keeps the head's, `save_full` the input embedding's.
-                model_state[name] = model_state[twins[name]]
-        missing, unexpected = expected - set(model_state), set(model_state) - expected
-        if missing or unexpected:
-            raise CheckpointError(f"checkpoint {path}: weights do not fit the model "
-                                  f"(missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})")
+        if not adapter:  # an adapter's names are checked where it is loaded (`_load_adapter`)
+            _fit_model_state(path, model, model_state)
         state = torch.load(path / OPTIMIZER_FILE, weights_only=True)
         optim_state = state[FQN_OPTIMIZER] if FQN_OPTIMIZER in state else _by_name(model, state["optimizer"])
         rng = [state["torch_rng"]]
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    set_model_state_dict(model, model_state, options=options)
+    if adapter:
+        # The adapter is small: rank 0 sends it whole, each rank keeps its shards.
+        box = [model_state]
+        dist.broadcast_object_list(box, src=0)
+        _load_adapter(path, model, box[0])
+    else:
+        set_model_state_dict(model, model_state, options=options)
     set_optimizer_state_dict(model, optimizer, optim_state, options=options)
     box = [meta, rng[0]]
     dist.broadcast_object_list(box, src=0)
@@ -218,10 +258,42 @@ def load_full(run_dir: str | os.PathLike, step: int, model, optimizer, rank: int
     return box[0]
 
 
+def _fit_model_state(path: Path, model, model_state: dict) -> None:
+    """A full model's gathered state checked against the model, in place: a tied embedding
+    stored under one of its two names gets the other too."""
+    expected = set(model.state_dict())
+    twins = _tied_twins(model)
+    for name in expected - set(model_state):
+        if twins.get(name) in model_state:
+            # A tied embedding is stored under one of its two names: `save` (safetensors'
+            # save_model) keeps the head's, `save_full` the input embedding's.
+            model_state[name] = model_state[twins[name]]
+    missing, unexpected = expected - set(model_state), set(model_state) - expected
+    if missing or unexpected:
+        raise CheckpointError(f"checkpoint {path}: weights do not fit the model "
+                              f"(missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})")
+
+
+def _load_adapter(path: Path, model, tensors: dict) -> None:
+    """Every rank: the adapter's whole tensors into the model (each rank keeps its shards)."""
+    from orchestrator.trainer import lora
+
+    try:
+        lora.load_adapter_state(model, tensors)
+    except ValueError as exc:
+        raise CheckpointError(f"checkpoint {path}: {exc}") from None
+
+
+def _trainable_names(model) -> list[str]:
+    """The names of the parameters the trainer's optimizer was built from, in its order: the
+    trainable ones (all of them; a LoRA model's adapter only)."""
+    return [name for name, p in model.named_parameters() if p.requires_grad]
+
+
 def _by_name(model, state: dict) -> dict:
-    """A single-process optimizer state (keyed by parameter index, in model.parameters() order,
-    which the trainer's optimizer was built from) keyed by parameter name instead."""
-    names = [name for name, _ in model.named_parameters()]
+    """A single-process optimizer state (keyed by parameter index, in the order of the trainable
+    parameters, which the trainer's optimizer was built from) keyed by parameter name instead."""
+    names = _trainable_names(model)
     return {"state": {names[i]: s for i, s in state["state"].items()},
             "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]}
 
@@ -286,7 +358,7 @@ def consumption_of(run_dir: str | os.PathLike, step: int):
 
 def _by_index(model, state: dict) -> dict:
     """The inverse of `_by_name`: what a single-process optimizer's load_state_dict takes."""
-    index = {name: i for i, (name, _) in enumerate(model.named_parameters())}
+    index = {name: i for i, name in enumerate(_trainable_names(model))}
     unknown = sorted(set(state["state"]) - set(index))
     if unknown:
         raise CheckpointError(f"optimizer state for parameters the model does not have: {unknown[:3]}")

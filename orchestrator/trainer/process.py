@@ -17,6 +17,10 @@ opens the link; every message it receives is broadcast to the other ranks, which
 step, so all ranks train, checkpoint, publish and stop together. Publishing gathers each
 tensor to rank 0 when its bucket needs it (`transports.refit.gather`); checkpoints hold the
 full (gathered) state, written by rank 0, and resume at any world size.
+
+With `trainer.lora` the model is wrapped with a PEFT LoRA adapter before it is sharded
+(`orchestrator.trainer.lora`); the optimizer covers the adapter only, checkpoints hold it
+alone, and each version is published as a PEFT adapter directory (`publish_adapter`).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import torch
 from orchestrator.config import RunConfig, TrainerConfig
 from orchestrator.errors import ConfigError
 from orchestrator.logging import configure_logging, get_logger
-from orchestrator.trainer import checkpoint
+from orchestrator.trainer import checkpoint, lora
 from orchestrator.trainer.link import (
     Batch,
     Failed,
@@ -49,6 +53,7 @@ from orchestrator.trainer.link import (
 )
 from orchestrator.trainer.orphan import Orphan
 from orchestrator.trainer.publish import Publisher
+from orchestrator.trainer.publish_adapter import AdapterPublisher
 from orchestrator.trainer.ranks import Ranks, init_group, shard, share
 from orchestrator.trainer.step import StepResult, train_step, train_step_sharded  # noqa: F401 - re-exported
 
@@ -86,17 +91,23 @@ class Trainer:
         # No attn_implementation: transformers picks its own (SDPA where the model supports it).
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, self.tc.dtype))
         self.model.eval()  # no dropout; the gradient does not depend on the mode
+        if self.tc.lora is not None:  # before sharding: FSDP2 then shards the adapter too
+            self.model = lora.wrap(self.model, self.tc.lora, seed=self.tc.seed)
         if self.device.type != "cpu":  # written, not yet run on a GPU
             self.model.to(self.device)
         if self.ranks.sharded:
             shard(self.model, self.ranks, self.device)
-        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=self.tc.lr, weight_decay=self.tc.weight_decay)
+        if self.tc.lora is not None:
+            lora.settle_logprob_path(self.model)
+        # Only what trains (a LoRA run: the adapter) has optimizer state.
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.Adam(trainable, lr=self.tc.lr, weight_decay=self.tc.weight_decay)
         pad = self.model.config.pad_token_id
         self.pad_id = int(pad) if pad is not None else 0  # padding is masked out: any id will do
         self.step = 0
         self.current: int | None = None  # the step being trained (named by Failed if it raises)
         self.resumed = False
-        self.publisher: Publisher | None = None
+        self.publisher: Publisher | AdapterPublisher | None = None
 
     def start(self, resume: bool) -> None:
         """Restore the newest checkpoint (with --resume), repair its version, open the publisher.
@@ -118,9 +129,13 @@ class Trainer:
             else:
                 checkpoint.load(self.run_dir, step, self.model, self.optimizer)
             self.step, self.resumed = step, True
-        self.publisher = Publisher(self.model, self.run_dir, self.config.transport, version=self.step,
-                                   bucket_bytes=self.tc.bucket_bytes, rank=self.ranks.rank, world=self.ranks.world,
-                                   dtype=published_dtype(self.config))
+        if self.tc.lora is not None:
+            self.publisher = AdapterPublisher(self.model, self.run_dir, self.config.transport, rank=self.ranks.rank,
+                                              dtype=published_dtype(self.config))
+        else:
+            self.publisher = Publisher(self.model, self.run_dir, self.config.transport, version=self.step,
+                                       bucket_bytes=self.tc.bucket_bytes, rank=self.ranks.rank,
+                                       world=self.ranks.world, dtype=published_dtype(self.config))
         if self.ranks.sharded:
             self._check_same_run()
         if self.ranks.rank == 0:
@@ -147,7 +162,9 @@ class Trainer:
 
         import torch.distributed as dist
 
-        digest = hashlib.sha256(msgspec.json.encode(self.config) + b"\0" + self.publisher.plan_json.encode()).hexdigest()
+        # A LoRA run has no refit plan: its adapter's names and shapes stand for the model.
+        plan = self.publisher.plan_json or getattr(self.publisher, "layout_json", "")
+        digest = hashlib.sha256(msgspec.json.encode(self.config) + b"\0" + plan.encode()).hexdigest()
         digests: list = [None] * self.ranks.world
         dist.all_gather_object(digests, digest)
         other = [r for r, d in enumerate(digests) if d != digests[0]]
@@ -161,6 +178,9 @@ class Trainer:
         if steps and not resume:
             raise RuntimeError(f"{checkpoint.checkpoints_root(self.run_dir)} holds checkpoints up to step {steps[-1]}: "
                                "start with --resume, or use a new run directory")
+        if resume and steps:
+            # A full-model checkpoint never loads into a LoRA trainer, nor the reverse (a RuntimeError).
+            checkpoint.check_kind(self.run_dir, steps[-1], lora=self.tc.lora is not None)
         return steps[-1] if resume and steps else 0
 
     def ready(self) -> Ready:
@@ -211,7 +231,7 @@ class Trainer:
                 checkpoint.save(self.run_dir, self.model, self.optimizer, self._meta(result), self.tc.keep_checkpoints)
             metrics["checkpoint_s"] = time.perf_counter() - t0
         metrics["publish_s"] = self.publisher.publish(self.step)
-        if self.ranks.sharded:
+        if self.ranks.sharded and self.tc.lora is None:  # an adapter's publish is not measured (megabytes)
             metrics.update(self._publish_memory())
         return self.step
 
@@ -242,7 +262,7 @@ class Trainer:
             log_ratio_mean=known(result.log_ratio_mean), log_ratio_max_abs=known(result.log_ratio_max_abs),
             reward_mean=result.reward_mean, loss=result.loss, metrics=result.metrics)
         return checkpoint.CheckpointMeta(step=self.step, version=self.step, consumption=consumption,
-                                         created_unix=time.time())
+                                         created_unix=time.time(), lora=self.tc.lora is not None)
 
     def close(self) -> None:
         if self.publisher is not None:

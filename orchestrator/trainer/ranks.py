@@ -33,18 +33,26 @@ class Ranks(msgspec.Struct, frozen=True):
 
 def shard(model: torch.nn.Module, ranks: Ranks, device: torch.device) -> torch.nn.Module:
     """FSDP2: every decoder layer its own unit (gathered for its forward only), then the root
-    (embeddings, final norm, head). Each rank keeps its rows of every parameter."""
+    (embeddings, final norm, head; with LoRA the PeftModel that wraps them). Each rank keeps its
+    rows of every parameter."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh(device.type, (ranks.world,))
-    layers = getattr(getattr(model, "model", None), "layers", None)
+    layers = decoder_layers(model)
     if layers is None:
         raise RuntimeError(f"{type(model).__name__} has no model.layers: cannot shard it per decoder layer")
     for layer in layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
+
+
+def decoder_layers(model: torch.nn.Module):
+    """The transformers model's `model.layers`, through a PEFT wrapper (a LoRA run wraps the
+    model before it is sharded); None when there is none."""
+    inner = model.get_base_model() if callable(getattr(type(model), "get_base_model", None)) else model
+    return getattr(getattr(inner, "model", None), "layers", None)
 
 
 def share(obj, ranks: Ranks):

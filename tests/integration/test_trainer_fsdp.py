@@ -7,7 +7,8 @@ forward agrees with the engine's logprobs of it; the step equals a single-proces
 same batch; the published version, activated in the engine, gives the logprobs of a
 single-process transformers forward of the published weights; each rank's extra memory while
 publishing stays within two buckets plus the largest tensor. Then a torchrun trainer resumes
-from the gathered checkpoint and its next step still equals the single-process one.
+from the gathered checkpoint and its next step still equals the single-process one. A LoRA
+run (trainer.lora) publishes, under torchrun, the adapter a single process publishes.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 
-from orchestrator.config import RunConfig, TrainerConfig, TransportConfig
+from orchestrator.config import LoraConfig, RunConfig, TrainerConfig, TransportConfig
 from orchestrator.engines.base import SamplingSettings
 from orchestrator.trainer import checkpoint
 from orchestrator.trainer.launcher import descendants
@@ -38,6 +39,7 @@ from orchestrator.trainer.link import (
     unpack_f32,
 )
 from tests.helpers import load_safetensors_dir
+from transports.adapters import ADAPTER_CONFIG, ADAPTER_MODEL, adapter_dir, check_adapter
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -411,6 +413,73 @@ async def test_each_ranks_resident_memory_while_publishing_stays_within_two_buck
     finally:
         await trainer.stop()
     assert trainer.process.returncode == -signal.SIGKILL, _tail(run_dir)
+
+
+def _lora_samples(step: int) -> list[Sample]:
+    """Random tokens; recorded logprobs near the tiny model's (vocabulary 1024: about -6.9);
+    rewards varied within each group."""
+    rng = np.random.default_rng(step)
+    return [Sample(rollout_id=100 * step + j, group_id=10 * step + j // GROUP_SIZE,
+                   prompt_token_ids=pack_i32(rng.integers(3, 1000, int(rng.integers(3, 8)))),
+                   completion_token_ids=pack_i32(rng.integers(3, 1000, 4)),
+                   logprobs=pack_f32(rng.normal(-7.0, 0.3, 4).tolist()), reward=float(rng.random()),
+                   dispatched_version=step - 1) for j in range(GROUPS * GROUP_SIZE)]
+
+
+def _same_adapter_step(done, expected, run_dir: Path, ref_dir: Path, step: int) -> None:
+    """The torchrun step is the single-process one: its statistics, and its published (and
+    checkpointed) adapter within 1e-5 of the single-process trainer's."""
+    from safetensors.torch import load_file
+
+    assert isinstance(done, StepDone), f"{done}\n{_tail(run_dir)}"
+    assert (done.step, done.version) == (step, step)
+    assert done.loss == pytest.approx(expected.loss, rel=1e-4, abs=1e-6)
+    assert done.metrics["grad_norm"] == pytest.approx(expected.metrics["grad_norm"], rel=1e-4)
+    ours, theirs = adapter_dir(run_dir / "weights", step), adapter_dir(ref_dir / "weights", step)
+    assert check_adapter(ours)["tensors"] == check_adapter(theirs)["tensors"] > 0
+    assert (ours / ADAPTER_CONFIG).read_text() == (theirs / ADAPTER_CONFIG).read_text()
+    published, reference = load_file(ours / ADAPTER_MODEL), load_file(theirs / ADAPTER_MODEL)
+    assert published.keys() == reference.keys()
+    for name, tensor in reference.items():
+        torch.testing.assert_close(published[name], tensor, atol=1e-5, rtol=0, msg=name)
+    # Rank 0's gathered checkpoint holds the adapter alone: exactly the published tensors.
+    saved = load_file(checkpoint.checkpoint_dir(run_dir, step) / checkpoint.MODEL_FILE)
+    assert saved.keys() == published.keys() and all(torch.equal(saved[k], v) for k, v in published.items())
+    assert checkpoint.read_meta(run_dir, step).lora is True
+
+
+@pytest.mark.timeout(600)
+async def test_a_lora_fsdp_step_publishes_the_single_process_adapter_and_resumes(tiny_model_dir, tmp_path):
+    """trainer.lora under torchrun (2 gloo ranks): the model is wrapped with the adapter before
+    it is sharded; each step publishes the adapter a single-process trainer publishes on the
+    same batch (1e-5), and a torchrun trainer resumed from the gathered checkpoint (adapter and
+    Adam state broadcast from rank 0) takes the next step as the single-process one does."""
+    from orchestrator.trainer.launcher import TrainerProcess
+    from orchestrator.trainer.process import Trainer
+
+    config = RunConfig(trainer=TrainerConfig(threads=1, world_size=2, lora=LoraConfig(rank=4, alpha=8.0)),
+                       transport=TransportConfig(keep_last=8)).validate()
+    single = msgspec.structs.replace(config, trainer=msgspec.structs.replace(config.trainer, world_size=1))
+    ref_dir, run_dir = tmp_path / "single", tmp_path / "run"
+    run_dir.mkdir()
+    ref = Trainer(str(ref_dir), str(tiny_model_dir), single)
+    ref.start(resume=False)
+    try:
+        for step in (1, 2):
+            trainer = TrainerProcess(config, run_dir, str(tiny_model_dir), resume=step > 1)
+            try:
+                ready = await trainer.start()
+                # No refit plan with an adapter: plan_json is empty.
+                assert (ready.plan_json, ready.step, ready.resumed) == ("", step - 1, step > 1), ready
+                samples = _lora_samples(step)
+                await trainer.link.send(Batch(step=step, samples=samples))
+                done = await trainer.link.recv(300)
+                _same_adapter_step(done, ref.handle(Batch(step=step, samples=samples)), run_dir, ref_dir, step)
+            finally:
+                await trainer.stop()  # Stop over the link: every rank exits 0 with it
+            assert trainer.process.returncode == 0, _tail(run_dir)
+    finally:
+        ref.close()
 
 
 def _cmdline(pid: int) -> str:
