@@ -214,7 +214,7 @@ class RunSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_steps: int = 60
     seed: int = 0
     # Model preset built when `engine.model` is missing (see `inflight model init`).
-    model_preset: Literal["tiny", "tiny-rl", "small", "small-rl"] = "tiny-rl"
+    model_preset: Literal["tiny", "tiny-rl", "tiny-lora", "small", "small-rl"] = "tiny-rl"
     # Replay log durability: fsync when this many records wait, or when the oldest is this old.
     fsync_every_records: int = 256
     fsync_every_ms: float = 200.0

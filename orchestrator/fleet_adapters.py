@@ -55,6 +55,9 @@ class AdapterStaging:
         self.adapter_store = store
         self.resident: dict[str, dict[int, AdapterRef]] = {}  # engine -> version -> adapter loaded there
         self._checked: dict[int, str | None] = {}  # version -> why its files are refused (None: sound)
+        # Users of adapters besides the fleet's own requests (a benchmark's load that streams
+        # from the engine directly): engine id -> versions in use there.
+        self.adapter_users: list = []
 
     def request_adapter(self, version: int) -> AdapterRef | None:
         """The adapter a request dispatched under `version` names (None: the base model)."""
@@ -107,6 +110,8 @@ class AdapterStaging:
     def _in_use(self, engine_id: str) -> set[int]:
         """Versions an engine must keep: live, and named by a request in flight there."""
         used = {t.dispatched_version for t in self.tracks.values() if t.engine == engine_id}
+        for user in self.adapter_users:
+            used |= user(engine_id)
         return used | {self.live_version}
 
     async def _make_room(self, engine: Engine) -> bool:
@@ -175,3 +180,62 @@ def make_fleet(engines, config, weights_root):
     store = AdapterStore(root=Path(weights_root), max_loras=lora.resident(config.scheduler.max_off_policy_steps))
     # "drain": a request ends on the weights it began with (here without waiting for it)
     return Fleet(engines, strategy="adapter", kv_policy="drain", timeouts=config.activation.timeouts(), adapters=store)
+
+
+PROBE_ID = 2**31 - 1  # an int id no version takes
+
+
+async def probe_targets(engines, model_dir: str, lora, scratch: Path) -> None:
+    """Load a zero adapter with the run's targets and rank on every engine, then unload it:
+    targets the engine cannot serve (vLLM's LoRA covers a family's linear layers, not always
+    its output head) are refused now, naming trainer.lora.target_modules, not after the first
+    trainer step as an activation that fails."""
+    from orchestrator.errors import ConfigError, EngineError
+
+    path = await anyio.to_thread.run_sync(_write_probe, model_dir, lora, scratch)
+    ref = AdapterRef(name="inflight-probe", int_id=PROBE_ID, path=str(path))
+    try:
+        for engine in engines:
+            try:
+                await engine.load_adapter(ref)
+            except EngineError as exc:
+                raise ConfigError("trainer.lora.target_modules",
+                                  f"{list(lora.target_modules)}: {engine.engine_id} cannot serve an adapter on these "
+                                  f"modules: {exc}") from None
+            await engine.unload_adapter(ref)
+    finally:
+        import shutil
+
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _write_probe(model_dir: str, lora, scratch: Path) -> Path:
+    """A rank-`lora.rank` adapter of zeros on every module the targets name (shapes read from
+    the safetensors headers, no weights loaded)."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    shapes: dict[str, list[int]] = {}
+    for file in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            for name in f.keys():
+                shapes[name] = list(f.get_slice(name).get_shape())
+    tensors = {}
+    for name, shape in shapes.items():
+        module = name.removesuffix(".weight")
+        if name.endswith(".weight") and len(shape) == 2 and module.rsplit(".", 1)[-1] in lora.target_modules:
+            tensors[f"base_model.model.{module}.lora_A.weight"] = torch.zeros(lora.rank, shape[1])
+            tensors[f"base_model.model.{module}.lora_B.weight"] = torch.zeros(shape[0], lora.rank)
+    out = Path(scratch) / "lora-probe"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
+              "target_modules": list(lora.target_modules), "bias": "none", "lora_dropout": 0.0,
+              "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "base_model_name_or_path": model_dir}
+    (out / "adapter_config.json").write_text(json.dumps(config))
+    return out

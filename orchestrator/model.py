@@ -44,6 +44,8 @@ class ModelPreset(msgspec.Struct, frozen=True):
     # Standard deviation of the random matrices: 0.08 makes sampled tokens (and hence logprob
     # comparisons) informative; 0.02 gives the near-uniform start that RL learns from quickly.
     init_std: float = 0.08
+    # The output head's standard deviation, when not init_std (drawn with init_std, then scaled).
+    head_std: float | None = None
 
 
 # Head size 32 (tiny) and 64 (small): both accepted by vLLM's CPU attention backend.
@@ -61,6 +63,12 @@ PRESETS: dict[str, ModelPreset] = {
     "small": ModelPreset(vocab_size=4096, hidden_size=768, intermediate_size=2048,
                          num_hidden_layers=10, num_attention_heads=12, num_key_value_heads=4,
                          corpus_bytes=4_000_000),
+    # tiny-rl with an output head 4x wider (std 0.08), as a trained model's head is: an adapter
+    # confined to the decoder (vLLM serves no LoRA on Qwen2's head) can then move the output
+    # distribution; on tiny-rl's head it cannot (docs/lora.md, "Why tiny-lora"). The LoRA toy.
+    "tiny-lora": ModelPreset(vocab_size=1024, hidden_size=128, intermediate_size=256,
+                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                             max_position_embeddings=4096, corpus_bytes=1_000_000, init_std=0.02, head_std=0.08),
     # small's shapes (69M parameters) with tiny-rl's narrow init: the RL workload of
     # `inflight bench time-to-reward`.
     "small-rl": ModelPreset(vocab_size=4096, hidden_size=768, intermediate_size=2048,
@@ -157,6 +165,8 @@ def build_model(out_dir: str | os.PathLike, preset: str = "tiny", seed: int = 0)
             for _, param in sorted(model.named_parameters()):
                 if param.dim() >= 2:
                     param.normal_(0.0, spec.init_std, generator=gen)
+            if spec.head_std is not None:  # scaled after the draws: every other tensor as without it
+                model.get_output_embeddings().weight.mul_(spec.head_std / spec.init_std)
         n_params = count_parameters(model)
 
         model.save_pretrained(tmp, safe_serialization=True)

@@ -191,7 +191,7 @@ class Run:
 
     async def _setup(self) -> list:
         from orchestrator.engines import make_engine
-        from orchestrator.fleet_adapters import make_fleet
+        from orchestrator.fleet_adapters import make_fleet, probe_targets
         from orchestrator.metrics import RunMetrics
         from orchestrator.model import ensure_model
         from orchestrator.fleet_adapters import adapter_identity
@@ -257,6 +257,8 @@ class Run:
         with self.startup.phase("fleet"):
             if config.trainer.lora is None:  # adapters need no receiver in the workers
                 await self.fleet.setup(ready.plan_json, ready.weights_root, timeout_s=config.transport.timeout_s)
+            else:
+                await probe_targets(self.engines, model_dir, config.trainer.lora, self.run_dir)
         with self.startup.phase("restore"):
             restored = await self._restore(ready)
             if ready.version > 0:  # resumed: serve the newest published weights before any rollout

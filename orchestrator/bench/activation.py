@@ -10,6 +10,9 @@ another:
     pause_swap     staged off-pause, copied into the live weights during the pause
     double_buffer  an engine-ready second copy prepared off-pause; pause, pointer flip, resume
     pause_free     the same flip between two engine steps, without a pause
+    lora           a rank-16 LoRA adapter as the version, loaded beside the serving ones and
+                   made live at one instant, no pause (`activation_lora`); with `lora_row`:
+                   its stall against pause_free and pause_swap, bytes per version against the model's
 
 Every version is published the way a trainer does it: by another process
 (`activation_publish`), finished before the measured window opens; nothing the benchmark
@@ -104,6 +107,13 @@ def format_text(result: dict) -> str:
     if "stall_ratio" in result:
         lines.append(f"stall_ratio (baseline / pause_free)  {result['stall_ratio']:.1f}  (goal >= 10; "
                      f"client clock {result['client_stall_ratio']:.1f})")
+    row = result.get("lora_row") or {}
+    if row:
+        lines.append(f"lora (rank {row['rank']})  stall_ms {row['stall_ms']:.1f} vs pause_free "
+                     f"{row.get('pause_free_stall_ms', float('nan')):.1f} and pause_swap "
+                     f"{row.get('pause_swap_stall_ms', float('nan')):.1f};  bytes per version "
+                     f"{row['adapter_bytes']:,} of the model's {row['model_bytes']:,} ({row['bytes_ratio']:.1%}, "
+                     f"goal <= 5%)")
     if "throughput_during_transfer_ratio" in result:
         lines.append(f"throughput_during_transfer_ratio     {result['throughput_during_transfer_ratio']:.2f}  "
                      f"(goal >= 0.8)")

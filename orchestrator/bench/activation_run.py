@@ -14,6 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from orchestrator.bench.activation_lora import MAX_LORAS, RANK, LoraRow
 from orchestrator.bench.activation_measure import (
     Sample,
     measure,
@@ -21,7 +22,7 @@ from orchestrator.bench.activation_measure import (
     summarize,
 )
 
-STRATEGIES = ("baseline", "pause_swap", "double_buffer", "pause_free")
+STRATEGIES = ("baseline", "pause_swap", "double_buffer", "pause_free", "lora")
 #: The stagings the throughput-during-transfer ratio is measured over (double-buffer staging).
 THROUGHPUT_FROM = ("double_buffer", "pause_free")
 PUBLISH_TIMEOUT_S = 600.0
@@ -35,8 +36,11 @@ class Load:
     """Continuous streaming load; records the arrival time and size of every chunk."""
 
     def __init__(self, prompt: list[int], streams: int) -> None:
+        from orchestrator.bench.activation_lora import AdapterLoad
+
         self.prompt = prompt
         self.streams = streams
+        self.adapters = AdapterLoad()  # the live adapter once the lora row activated one
         self.arrivals: list[tuple[float, int]] = []  # (monotonic arrival, tokens), in order
         self.tokens = 0
         self.stop = False
@@ -52,12 +56,20 @@ class Load:
             k = 0
             while not self.stop:
                 k += 1
-                async for chunk in engine.generate(f"bench-{i}-{k}-{os.urandom(3).hex()}", self.prompt, sampling):
-                    if chunk.token_ids:
-                        self.arrivals.append((time.monotonic(), len(chunk.token_ids)))
-                        self.tokens += len(chunk.token_ids)
-                    if self.stop:
-                        break
+                adapter = self.adapters.adapter
+                kwargs = {"adapter": adapter} if adapter is not None else {}
+                version = adapter.int_id if adapter is not None else 0
+                self.adapters.in_use[version] += 1
+                try:
+                    async for chunk in engine.generate(f"bench-{i}-{k}-{os.urandom(3).hex()}", self.prompt, sampling,
+                                                       **kwargs):
+                        if chunk.token_ids:
+                            self.arrivals.append((time.monotonic(), len(chunk.token_ids)))
+                            self.tokens += len(chunk.token_ids)
+                        if self.stop:
+                            break
+                finally:
+                    self.adapters.in_use[version] -= 1
 
         async with anyio.create_task_group() as tg:
             for i in range(self.streams):
@@ -141,12 +153,14 @@ class Bench:
         self.root = Path(tempfile.mkdtemp(prefix="inflight-bench-activation-"))
         info = await self._in_process(describe, str(self.model_dir))
         self.plan_json = info["plan"]
+        # LoRA enabled for every row: the lora row runs on the same engine as the full-model ones.
         config = EngineConfig(model=str(self.model_dir), kind="inproc", max_model_len=1024, max_num_seqs=32,
-                              enable_prefix_caching=True,
+                              enable_prefix_caching=True, enable_lora=True, max_lora_rank=RANK, max_loras=MAX_LORAS,
                               worker_extension_cls="transports.swap.SwapWorkerExtension")
         self.raw = InProcessEngine(config, "bench-activation")
         self.engine = Timed(self.raw)
         load = Load([3 + (i * 7) % 200 for i in range(32)], args.streams)
+        self.lora = LoraRow(self.engine, self.root, load.adapters)
         idle_windows: list[tuple[float, float]] = []
         try:
             await self.raw.start()
@@ -175,7 +189,9 @@ class Bench:
             with anyio.CancelScope(shield=True):
                 await self.raw.shutdown()
             shutil.rmtree(self.root, ignore_errors=True)
-        return self.results(info["parameters"], load, idle_windows)
+        result = self.results(info["parameters"], load, idle_windows)
+        result["lora_row"] = self.lora.summary(result)
+        return result
 
     async def one(self, name: str, rep: int) -> Sample:
         """One activation of `name` and its idle twin."""
@@ -185,6 +201,8 @@ class Bench:
         from transports.filesystem import version_dir
 
         settle = self.args.settle_seconds
+        if name == "lora":
+            return await self.one_lora(rep)
         version = await self.publish()  # another process; done before the window opens
         await anyio.sleep(settle)
         engine, raw = self.engine, self.raw
@@ -221,6 +239,24 @@ class Bench:
         await anyio.sleep((t1 - t0) + settle)  # the idle twin, and time for the token that ends it
         return Sample(name, rep, t0, t1, idle_t0, paused_ms=0.0 if name == "pause_free" else engine.paused_ms(),
                       staging=staging, in_rhythm=in_rhythm)
+
+    async def one_lora(self, rep: int) -> Sample:
+        """One adapter version: published (another process), activated, and its idle twin."""
+        import anyio
+
+        from orchestrator.bench.activation_lora import publish_adapter
+
+        self.version += 1
+        sizes = await self._in_process(publish_adapter, str(self.model_dir), str(self.root), self.version)
+        self.lora.sizes.append((sizes["adapter_bytes"], sizes["model_bytes"]))
+        await anyio.sleep(self.args.settle_seconds)
+        t0, t1, staging = await self.lora.activate(self.version, self.live)
+        self.live = self.version
+        in_rhythm = await self.back_in_rhythm(t1)
+        await anyio.sleep(self.args.settle_seconds)
+        idle_t0 = time.monotonic()
+        await anyio.sleep((t1 - t0) + self.args.settle_seconds)
+        return Sample("lora", rep, t0, t1, idle_t0, paused_ms=0.0, staging=staging, in_rhythm=in_rhythm)
 
     async def back_in_rhythm(self, after: float) -> bool:
         """Waits (bounded) until `RHYTHM_STEPS` engine steps in a row ended after `after`, each

@@ -185,7 +185,10 @@ class InProcessEngine(Engine):
         self._adapter_names[adapter.int_id] = adapter.name  # before the call: it may load though cancelled
         try:
             loaded = await self._control(self.llm.add_lora(_lora_request(adapter)), f"add_lora({adapter.name})")
-        except (ValueError, RuntimeError, OSError) as exc:  # vLLM refused the adapter's files
+        except (EngineDeadError, EngineTimeoutError):
+            raise
+        except Exception as exc:  # vLLM refused the adapter (it raises a bare Exception from its worker)
+            self._adapter_names.pop(adapter.int_id, None)
             raise EngineGenerateError(self.engine_id, f"adapter {adapter.name} at {adapter.path}: {exc}") from exc
         if loaded is False:
             raise EngineGenerateError(self.engine_id, f"adapter {adapter.name} at {adapter.path}: not loaded")

@@ -331,3 +331,36 @@ async def test_the_idle_twin_waits_for_the_engines_normal_rhythm_bounded(monkeyp
     bench2.raw = Raw([[10.0, 13.0, 0, 8, 900], [13.0, 13.05, 0, 8, 8]])
     monkeypatch.setattr(run, "RHYTHM_TIMEOUT_S", 0.3)
     assert not await bench2.back_in_rhythm(10.0)
+
+
+# -- the lora row ------------------------------------------------------------------------------
+
+def test_the_lora_row_publishes_a_rank_16_adapter_on_every_linear_layer_that_vllm_reads(tiny_model_dir, tmp_path):
+    from vllm.lora.peft_helper import PEFTHelper
+
+    from orchestrator.bench.activation_lora import ADAPTERS_SUBDIR, RANK, TARGETS, publish_adapter
+    from transports.adapters import adapter_dir, check_adapter
+
+    out = publish_adapter(str(tiny_model_dir), str(tmp_path), 3)
+    path = adapter_dir(tmp_path / ADAPTERS_SUBDIR, 3)
+    summary = check_adapter(path)
+    assert summary["rank"] == RANK and set(summary["target_modules"]) == set(TARGETS)
+    assert summary["tensors"] == 2 * len(TARGETS) * 2  # A and B per target, two decoder layers
+    assert out["adapter_bytes"] == (path / "adapter_model.safetensors").stat().st_size
+    assert 0 < out["adapter_bytes"] and out["model_bytes"] > 0
+    helper = PEFTHelper.from_local_dir(str(path), max_position_embeddings=None)
+    assert helper.r == RANK and helper.vllm_lora_scaling_factor == 2.0
+
+
+def test_the_lora_row_summary_compares_its_stall_with_pause_free_and_bytes_with_the_model():
+    from orchestrator.bench.activation_lora import LoraRow
+
+    row = LoraRow.__new__(LoraRow)
+    row.sizes = [(1_000, 100_000)]
+    result = {"lora": {"stall_ms": 3.0}, "pause_free": {"stall_ms": 4.0}, "pause_swap": {"stall_ms": 90.0}}
+    s = row.summary(result)
+    assert s["bytes_ratio"] == 0.01 and s["stall_within_pause_free"] is True
+    assert (s["pause_free_stall_ms"], s["pause_swap_stall_ms"]) == (4.0, 90.0)
+    result["lora"]["stall_ms"] = 5.0
+    assert row.summary(result)["stall_within_pause_free"] is False
+    assert row.summary({}) == {}, "no lora row measured: nothing claimed"
