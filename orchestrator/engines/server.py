@@ -206,6 +206,9 @@ class ServerEngine(Engine):
             await self.collective_rpc("swap_load_dir", (json.dumps({"path": model}),))
             await self.reset_prefix_cache()
             await self.set_weight_version(0)
+            if self.config.enable_lora:  # a previous run's adapters would clash with this run's names
+                for name in await self.loaded_adapters():
+                    await self._post("/v1/unload_lora_adapter", json={"lora_name": name})
         except EngineGenerateError as exc:
             raise ConfigError("engine.url", f"{self.engine_id} at {self.url} cannot be reset to version 0 "
                                             f"(the weights of {model}): {exc}; start it with "
@@ -362,7 +365,14 @@ class ServerEngine(Engine):
         return result.get("results", result) if isinstance(result, dict) else result
 
     async def load_adapter(self, adapter: AdapterRef) -> None:
-        await self._post("/v1/load_lora_adapter", json={"lora_name": adapter.name, "lora_path": adapter.path})
+        try:
+            await self._post("/v1/load_lora_adapter", json={"lora_name": adapter.name, "lora_path": adapter.path})
+        except EngineGenerateError as exc:
+            if " answered 404" in str(exc) and self.process is None:
+                raise EngineGenerateError(self.engine_id, f"{self.url} has no /v1/load_lora_adapter: start the "
+                                                          "attached server with --enable-lora and the environment "
+                                                          "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True") from None
+            raise
 
     async def unload_adapter(self, adapter: AdapterRef) -> None:
         await self._post("/v1/unload_lora_adapter", json={"lora_name": adapter.name})

@@ -178,6 +178,7 @@ async def test_a_load_refused_on_one_engine_activates_nothing_then_the_next_vers
 
     server = ServerEngine(EngineConfig(model=str(tiny_model_dir), kind="server", max_model_len=512, max_num_seqs=16,
                                        enable_lora=True, max_lora_rank=8, max_loras=MAX_LORAS,
+                                       worker_extension_cls="transports.swap.SwapWorkerExtension",
                                        control_timeout_s=300.0), "lora-server", log_dir=engine_log_dir)
     await server.start()
     try:
@@ -203,6 +204,16 @@ async def test_a_load_refused_on_one_engine_activates_nothing_then_the_next_vers
         assert c.changes == [(0, 42)]
         check_against_reference(tiny_model_dir, root, c, 42)
         assert await server.loaded_adapters() == [adapter_name(42)]
+        # The next run attaches to this server: it starts from version 0, no adapter of ours left.
+        attached = ServerEngine(EngineConfig(model=str(tiny_model_dir), kind="server", url=server.url,
+                                             enable_lora=True, max_lora_rank=8, max_loras=MAX_LORAS,
+                                             worker_extension_cls="transports.swap.SwapWorkerExtension",
+                                             control_timeout_s=300.0), "lora-attached")
+        await attached.start()
+        try:
+            assert await attached.loaded_adapters() == []
+        finally:
+            await attached.shutdown()
     finally:
         await server.shutdown()
 
@@ -218,3 +229,18 @@ async def test_a_corrupt_adapter_fails_the_stage_naming_the_tensor(engine, tiny_
     assert record.outcome == act.ROLLED_BACK
     assert "AdapterError" in record.message and "lora_" in record.message, record.message
     assert fleet.live_version == 0
+
+
+async def test_targets_the_engine_cannot_serve_are_refused_at_start_naming_the_field(engine, tiny_model_dir, tmp_path):
+    from orchestrator.config import LoraConfig
+    from orchestrator.errors import ConfigError
+    from orchestrator.fleet_adapters import probe_targets
+
+    await probe_targets([engine], str(tiny_model_dir), LoraConfig(rank=8, target_modules=["q_proj", "down_proj"]),
+                        tmp_path)
+    assert not (tmp_path / "lora-probe").exists(), "the probe adapter is removed"
+    with pytest.raises(ConfigError) as err:
+        await probe_targets([engine], str(tiny_model_dir), LoraConfig(rank=8, target_modules=["q_proj", "lm_head"]),
+                            tmp_path)
+    assert err.value.field == "trainer.lora.target_modules" and "lm_head" in str(err.value)
+    assert "inflight-probe" not in await engine.loaded_adapters()

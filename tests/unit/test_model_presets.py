@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import torch
+
 import pytest
 
 from orchestrator.errors import ModelError
@@ -87,3 +89,19 @@ def test_model_init_offers_every_preset(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["model", "init", "--help"])
     assert "tiny-rl" in capsys.readouterr().out
+
+
+def test_tiny_lora_is_tiny_rl_with_a_four_times_wider_head(tmp_path):
+    from safetensors.torch import load_file
+
+    from orchestrator.model import build_model
+
+    rl, _ = build_model(tmp_path / "rl", preset="tiny-rl", seed=0)
+    lora, _ = build_model(tmp_path / "lora", preset="tiny-lora", seed=0)
+    a, b = load_file(str(rl / "model.safetensors")), load_file(str(lora / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for name in a:
+        if name == "lm_head.weight":
+            assert torch.allclose(b[name], 4 * a[name], rtol=1e-6, atol=0)
+        else:
+            assert torch.equal(a[name], b[name]), name
