@@ -41,9 +41,10 @@ FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "replay"
 # earlier record definition, never regenerated) must still read back.
 # v2: ActivationRecord gained strategy, kv_policy, kv_carried. v3: SamplingSettings gained
 # min_tokens, stop_token_ids, ignore_eos; PolicyIdentity logprobs_mode; ConsumptionRecord the
-# trainer's per-rollout and per-step measurements; the DiscardRecord type.
-GOLDEN_SEGMENT = FIXTURES / "golden_v3.seg"
-OLDER_GOLDEN_SEGMENTS = [FIXTURES / "golden_v1.seg", FIXTURES / "golden_v2.seg"]
+# trainer's per-rollout and per-step measurements; the DiscardRecord type. v4: PolicyIdentity
+# adapter (LoRA runs).
+GOLDEN_SEGMENT = FIXTURES / "golden_v4.seg"
+OLDER_GOLDEN_SEGMENTS = [FIXTURES / "golden_v1.seg", FIXTURES / "golden_v2.seg", FIXTURES / "golden_v3.seg"]
 IDENTITY = PolicyIdentity("Qwen/Qwen3-0.6B", "tok-1a2b", "tmpl-3c4d", "bf16")
 
 # The on-disk field order. Append new fields (with defaults) at the end; never edit a line.
@@ -65,7 +66,7 @@ GOLDEN_FIELDS = {
     SamplingSettings: ["temperature", "top_p", "top_k", "min_p", "max_tokens", "seed", "stop",
                        "min_tokens", "stop_token_ids", "ignore_eos"],
     PolicyIdentity: ["base_checkpoint", "tokenizer_hash", "chat_template_hash", "serving_precision",
-                     "logprobs_mode"],
+                     "logprobs_mode", "adapter"],
     Timings: ["dispatched_at", "first_token_at", "finished_at"],
     Dropped: ["reason"],
     Errored: ["kind", "message"],
@@ -105,6 +106,16 @@ def legacy_golden_records() -> list:
 
 def golden_records() -> list:
     """What the newest golden segment holds: every field set, every record type."""
+    return v3_golden_records() + [
+        rollout(rollout_id=23, consumed_step=None,
+                identity=PolicyIdentity("Qwen/Qwen3-0.6B", "tok-1a2b", "tmpl-3c4d", "bf16",
+                                        logprobs_mode="raw_logprobs",
+                                        adapter="lora r=16 alpha=32 targets=q_proj,v_proj")),
+    ]
+
+
+def v3_golden_records() -> list:
+    """What golden_v3 holds."""
     return legacy_golden_records() + [
         rollout(rollout_id=20, consumed_step=None,
                 sampling=SamplingSettings(temperature=0.7, top_k=20, max_tokens=64, min_tokens=2,
@@ -278,7 +289,8 @@ def test_writing_golden_records_reproduces_the_golden_segment_bytes(tmp_path):
 def test_every_golden_segment_reads_back_as_the_golden_records(tmp_path, segment):
     (tmp_path / "replay").mkdir()
     shutil.copy(segment, tmp_path / "replay" / "00000001.seg")
-    expected = golden_records() if segment == GOLDEN_SEGMENT else legacy_golden_records()
+    expected = {GOLDEN_SEGMENT: golden_records, FIXTURES / "golden_v3.seg": v3_golden_records}.get(
+        segment, legacy_golden_records)()
     assert list(read_records(tmp_path)) == expected
 
 
