@@ -1,0 +1,185 @@
+"""Multi-turn environments and the episode they produce (issue #19).
+
+An environment is what `[task] entrypoint` may return for multi-turn work:
+
+    class Env(Environment):
+        max_turns = 3
+        max_episode_tokens = 512
+        async def reset(self, row) -> list[dict]:            # the first messages
+        async def step(self, episode) -> tuple[list[dict], float | None, bool]:
+            # after each model turn: (new messages, reward or None, done)
+
+`run_episode` drives one: turn 1's prompt is the template's rendering of `reset`'s messages;
+each later turn's prompt is the episode's exact tokens so far plus the template's delta for
+the new messages (`turns.TurnRenderer.delta`): earlier turns are never tokenized again. The
+`Episode` keeps one token sequence after the first prompt, which tokens were sampled (the loss
+mask), a logprob for every sampled token and none for the environment's, and the version of
+every sampled token as change points (token index, version): one episode spans versions when
+activations land between or during its turns.
+
+`ToolEnvironment` is an environment whose tools are plain Python functions
+(`tools.tool_schema` describes them in the system prompt); each model turn's tool calls are
+parsed (Hermes / Qwen format) and run, their results (or errors) answer as `tool` messages; a
+turn without calls ends the episode and is scored; a call that does not parse ends it with
+`malformed_tool_call`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+import anyio
+
+from orchestrator.tasks.tools import MalformedToolCall, call_tool, parse_tool_calls, tool_schema
+from orchestrator.tasks.turns import TurnRenderer
+
+# Why an episode ended (Episode.ended).
+DONE = "done"  # the environment said so
+MAX_TURNS = "max_turns"
+MAX_EPISODE_TOKENS = "max_episode_tokens"
+MALFORMED_TOOL_CALL = "malformed_tool_call"
+
+
+class Environment:
+    """The multi-turn seam; subclass and implement `reset` and `step`."""
+
+    max_turns: int = 4
+    max_episode_tokens: int = 1024
+    step_timeout_s: float = 30.0
+
+    async def reset(self, row: dict) -> list[dict]:
+        raise NotImplementedError
+
+    async def step(self, episode: Episode) -> tuple[list[dict], float | None, bool]:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class SampledTurn:
+    """What the engine returned for one turn."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    changes: list[tuple[int, int]]  # (index in token_ids, version), non-decreasing versions
+    finish_reason: str | None = None
+
+
+@dataclass
+class Episode:
+    row: dict
+    messages: list[dict]
+    prompt_ids: list[int]  # turn 1's prompt
+    tokens: list[int] = field(default_factory=list)  # everything after it, in order
+    sampled: list[bool] = field(default_factory=list)  # per token: sampled (trained on) or the environment's
+    logprobs: list[float] = field(default_factory=list)  # one per sampled token, in order
+    changes: list[tuple[int, int]] = field(default_factory=list)  # (index in tokens, version) of sampled ones
+    turns: int = 0  # model turns
+    reward: float | None = None
+    ended: str | None = None
+    detail: str = ""  # e.g. why a tool call was malformed
+
+    def next_prompt(self) -> list[int]:
+        return self.prompt_ids + self.tokens
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.tokens)
+
+    @property
+    def environment_tokens(self) -> int:
+        return self.sampled.count(False)
+
+    def last_reply(self) -> str:
+        return self.messages[-1]["content"] if self.messages and self.messages[-1]["role"] == "assistant" else ""
+
+    def add_sampled(self, turn: SampledTurn) -> None:
+        if len(turn.logprobs) != len(turn.token_ids):
+            raise ValueError(f"{len(turn.logprobs)} logprobs for {len(turn.token_ids)} sampled tokens")
+        start = len(self.tokens)
+        for index, version in turn.changes:
+            if not self.changes or self.changes[-1][1] != version:
+                self.changes.append((start + index, version))
+        self.tokens += turn.token_ids
+        self.sampled += [True] * len(turn.token_ids)
+        self.logprobs += turn.logprobs
+        self.turns += 1
+
+    def add_environment(self, token_ids: Sequence[int]) -> None:
+        self.tokens += token_ids
+        self.sampled += [False] * len(token_ids)
+
+
+Sampler = Callable[[list[int], int], Awaitable[SampledTurn]]  # (prompt ids, max new tokens) -> turn
+
+
+async def run_episode(env: Environment, renderer: TurnRenderer, sample: Sampler, row: dict,
+                      max_tokens_per_turn: int) -> Episode:
+    """One episode to its end (`Episode.ended`); `sample` runs one turn on an engine."""
+    with anyio.fail_after(env.step_timeout_s):
+        messages = list(await env.reset(row))
+    episode = Episode(row=row, messages=messages, prompt_ids=renderer.first_prompt(messages))
+    while True:
+        room = env.max_episode_tokens - episode.length
+        if room <= 0:
+            episode.ended = MAX_EPISODE_TOKENS
+            return episode
+        history = list(episode.messages)
+        turn = await sample(episode.next_prompt(), min(max_tokens_per_turn, room))
+        episode.add_sampled(turn)
+        episode.messages.append({"role": "assistant", "content": _reply_text(renderer, turn.token_ids)})
+        with anyio.fail_after(env.step_timeout_s):
+            new, reward, done = await env.step(episode)
+        if reward is not None:
+            episode.reward = float(reward)
+        if episode.ended is not None:  # the environment ended it with a reason of its own
+            return episode
+        if done:
+            episode.ended = DONE
+            return episode
+        if episode.turns >= env.max_turns:
+            episode.ended = MAX_TURNS
+            return episode
+        delta = renderer.delta(history, turn.token_ids, new)
+        if episode.length + len(delta) >= env.max_episode_tokens:
+            episode.ended = MAX_EPISODE_TOKENS  # no room left for a model turn after the environment's
+            return episode
+        episode.add_environment(delta)
+        episode.messages += new
+
+
+def _reply_text(renderer: TurnRenderer, token_ids: Sequence[int]) -> str:
+    ids = list(token_ids)
+    if ids and renderer.eos_id is not None and ids[-1] == renderer.eos_id:
+        ids = ids[:-1]
+    return renderer.tokenizer.decode(ids, skip_special_tokens=False)
+
+
+class ToolEnvironment(Environment):
+    """Tools as plain functions; `prompt(row)` the first user message; `score(episode, row)`
+    the reward once the model answers without calling a tool."""
+
+    tools: Sequence[Callable] = ()
+    system_prompt: str = "You may call tools. To call one, write <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>."
+
+    def prompt(self, row: dict) -> str:
+        raise NotImplementedError
+
+    def score(self, episode: Episode, row: dict) -> float:
+        raise NotImplementedError
+
+    async def reset(self, row: dict) -> list[dict]:
+        schemas = [tool_schema(fn) for fn in self.tools]
+        system = self.system_prompt + "\nTools:\n" + "\n".join(json.dumps(s) for s in schemas)
+        return [{"role": "system", "content": system}, {"role": "user", "content": self.prompt(row)}]
+
+    async def step(self, episode: Episode) -> tuple[list[dict], float | None, bool]:
+        calls = parse_tool_calls(episode.last_reply())
+        if isinstance(calls, MalformedToolCall):
+            episode.ended, episode.detail = MALFORMED_TOOL_CALL, calls.reason
+            return [], None, True
+        if not calls:
+            return [], float(self.score(episode, episode.row)), True
+        by_name = {fn.__name__: fn for fn in self.tools}
+        return [{"role": "tool", "content": await call_tool(by_name, c)} for c in calls], None, False
