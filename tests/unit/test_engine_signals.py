@@ -19,6 +19,9 @@ def child(queue):
     queue.put(signal.getsignal(signal.SIGINT) == signal.SIG_IGN)
 
 if __name__ == "__main__":
+    # What the terminal gives a process: Python's own SIGINT handler (a test runner started in
+    # the background would hand down "ignored", and the child would inherit that instead).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     register()
     parent = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
     ctx = multiprocessing.get_context("spawn")  # what vLLM's CPU platform uses
