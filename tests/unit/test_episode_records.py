@@ -18,20 +18,11 @@ import torch
 from orchestrator.cli import main
 from replay.log import FsyncPolicy, ReplayLog
 from replay.records import RolloutRecord, RunMetaRecord, SamplingSettings, Timings
+from tests.unit.sample_helpers import sample_tokens
 
 NAN = float("nan")
 
 
-@torch.no_grad()
-def _sample(model, ids: list[int], n: int, gen: torch.Generator) -> tuple[list[int], list[float]]:
-    ids, tokens, logprobs = list(ids), [], []
-    for _ in range(n):
-        lp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0, -1].float(), -1)
-        token = int(torch.multinomial(lp.exp(), 1, generator=gen))
-        tokens.append(token)
-        logprobs.append(float(lp[token]))
-        ids.append(token)
-    return tokens, logprobs
 
 
 def _episode(model, gen) -> tuple[list[int], list[int], list[float], list[tuple[int, int]]]:
@@ -44,7 +35,7 @@ def _episode(model, gen) -> tuple[list[int], list[int], list[float], list[tuple[
             spans.append((len(tokens), len(tokens) + len(env)))
             tokens += env
             logprobs += [NAN] * len(env)
-        sampled, lps = _sample(model, prompt + tokens, 6, gen)
+        sampled, lps = sample_tokens(model, prompt + tokens, 6, gen)
         tokens += sampled
         logprobs += lps
     return prompt, tokens, logprobs, spans
@@ -70,7 +61,7 @@ def run(tmp_path_factory, tiny_model_dir) -> Path:
                 completion_token_ids=tokens, completion_logprobs=logprobs, dispatched_version=0,
                 identity=identity, sampling=SamplingSettings(temperature=1.0), timings=Timings(time.time()),
                 environment_spans=spans, rewards={"reward": 1.0}))
-        single, lps = _sample(model, [7, 8, 9], 6, gen)
+        single, lps = sample_tokens(model, [7, 8, 9], 6, gen)
         log.append(RolloutRecord.from_lists(
             rollout_id=3, group_id=1, prompt_id="3", engine_id="e0", prompt_token_ids=[7, 8, 9],
             completion_token_ids=single, completion_logprobs=lps, dispatched_version=0, identity=identity,
