@@ -280,7 +280,8 @@ class RunLoop:
         r = self.inflight[rid].record
         return Sample(rollout_id=rid, group_id=r.group_id, prompt_token_ids=r.prompt_token_ids,
                       completion_token_ids=r.completion_token_ids, logprobs=r.completion_logprobs,
-                      reward=float(r.rewards["reward"]), dispatched_version=r.dispatched_version)
+                      reward=float(r.rewards["reward"]), dispatched_version=r.dispatched_version,
+                      environment_spans=r.environment_spans)
 
     def _submit(self, a: sch.SubmitBatch) -> None:
         batch = Batch(step=a.step, samples=[self._sample(rid) for rid in a.rollout_ids])

@@ -286,7 +286,7 @@ def _token_table(records: list[RolloutRecord], decided: dict[int, Claim | None])
         "rollout_id": pa.array(rollout_ids, pa.int64()),
         "position": pa.array(positions.astype(np.int32)),
         "token_id": pa.array(token_ids),
-        "logprob": pa.array(logprobs),
+        "logprob": pa.array(logprobs, mask=np.isnan(logprobs)),  # null: an environment's token, never sampled
         "version": pa.array(versions),
         "lag": lag.cast(pa.int64()),
     }, schema=TOKEN_SCHEMA)

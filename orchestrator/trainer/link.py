@@ -29,6 +29,9 @@ class Sample(msgspec.Struct, frozen=True):
     logprobs: bytes  # float32 little-endian: the engine's logprob of each sampled completion token
     reward: float
     dispatched_version: int
+    # A multi-turn episode: int32 (start, end) pairs of completion tokens the environment wrote;
+    # their logprobs are NaN (none exists) and the loss leaves them out (context only).
+    environment_spans: bytes = b""
 
 
 class Batch(msgspec.Struct, tag="batch", tag_field="type"):

@@ -65,6 +65,7 @@ class _Unpacked(msgspec.Struct):
     recorded: list[np.ndarray]  # the engine's logprobs, per sample
     rewards: torch.Tensor
     advantages: torch.Tensor  # group-normalised over the whole batch
+    sampled: list[np.ndarray | None]  # per sample: which completion tokens were sampled (None: all)
 
     @property
     def lengths(self) -> list[int]:
@@ -72,7 +73,15 @@ class _Unpacked(msgspec.Struct):
 
     @property
     def tokens(self) -> int:
-        return sum(len(c) for c in self.completions)
+        """The tokens the loss averages over: the sampled ones."""
+        return sum(len(c) if m is None else int(m.sum()) for c, m in zip(self.completions, self.sampled))
+
+    def mask(self, mb: list[int]) -> np.ndarray | None:
+        """The micro-batch's flat sampled-token mask; None when every token was sampled."""
+        if all(self.sampled[i] is None for i in mb):
+            return None
+        return np.concatenate([np.ones(len(self.completions[i]), bool) if self.sampled[i] is None
+                               else self.sampled[i] for i in mb])
 
 
 class _Accumulated(msgspec.Struct):
@@ -159,14 +168,25 @@ def _accumulate(model: torch.nn.Module, data: _Unpacked, indices: list[int], pla
         behaviour = torch.from_numpy(np.concatenate([data.recorded[i] for i in mb]).astype(np.float32))
         advantages = data.advantages[mb][batch.flat_rollout]
         logp = completion_logprobs(model, _on(batch, device), temperature)
+        flat = data.mask(mb)
+        mask = None if flat is None else torch.from_numpy(flat)
+        if mask is not None:
+            # An environment's tokens have no behaviour logprob (NaN): context for the forward,
+            # out of the loss. Made equal to the trainer's own there, so that no NaN reaches a
+            # gradient (a masked-out NaN still poisons the backward of a product).
+            behaviour = torch.where(mask, behaviour, logp.detach().cpu())
         # One forward serves both: the weights have not moved yet, so logp.detach() is the
         # trainer's logprob before the step (no dropout in these models: train and inference
         # forwards agree).
-        lr_mean, lr_max = per_rollout_log_ratio(logp.detach().cpu() - behaviour, batch.flat_rollout, len(mb))
+        diff, rollout_of = logp.detach().cpu() - behaviour, batch.flat_rollout
+        if mask is not None:
+            diff, rollout_of = diff[mask], rollout_of[mask]
+        lr_mean, lr_max = per_rollout_log_ratio(diff, rollout_of, len(mb))
         slots = torch.tensor([position[i] for i in mb])
         acc.log_ratio_mean[slots], acc.log_ratio_max_abs[slots] = lr_mean, lr_max
-        loss, stats = policy_loss(logp, behaviour.to(device), advantages.to(device), None, config)
-        n = len(logp)
+        loss, stats = policy_loss(logp, behaviour.to(device), advantages.to(device),
+                                  None if mask is None else mask.to(device), config)
+        n = len(logp) if mask is None else int(mask.sum())
         (loss * (n * scale)).backward()  # policy_loss is a token mean over this micro-batch
         acc.loss_sum += float(loss.detach()) * n
         acc.stats.append(stats)
@@ -199,9 +219,24 @@ def _unpack(samples: Sequence[Sample], config: TrainerConfig) -> _Unpacked:
     for s, c, lp in zip(samples, completions, recorded):
         if len(c) != len(lp):
             raise ValueError(f"rollout {s.rollout_id}: {len(c)} completion tokens but {len(lp)} logprobs")
+    sampled = [_sampled_mask(s, len(c)) for s, c in zip(samples, completions)]
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
     advantages = group_advantages(rewards, torch.tensor([s.group_id for s in samples]), config.normalize_std)
-    return _Unpacked(prompts, completions, recorded, rewards, advantages)
+    return _Unpacked(prompts, completions, recorded, rewards, advantages, sampled)
+
+
+def _sampled_mask(sample: Sample, n: int) -> np.ndarray | None:
+    """Which of a sample's completion tokens were sampled; a span past its completion is refused."""
+    if not sample.environment_spans:
+        return None
+    flat = unpack_i32(sample.environment_spans).tolist()
+    mask = np.ones(n, dtype=bool)
+    for start, end in zip(flat[0::2], flat[1::2]):
+        if not 0 <= start < end <= n:
+            raise ValueError(f"rollout {sample.rollout_id}: environment span ({start}, {end}) outside its {n} "
+                             "completion tokens")
+        mask[start:end] = False
+    return mask
 
 
 def _staleness(samples: Sequence[Sample], step: int | None) -> dict[str, float]:

@@ -137,11 +137,16 @@ def analyze(run_dir: str | os.PathLike[str], options: Options | None = None,
         position = np.concatenate([np.arange(len(r.tokens)) for r in rollouts])
         carried = np.concatenate([np.full(len(r.tokens), r.kv_carried) for r in rollouts])
         log_ratio = recomputed - sampled
+        keep = ~np.isnan(sampled)  # an episode's environment tokens were not sampled: no logprob
+        if not keep.all():
+            log_ratio, lag, multi, position, carried = (a[keep] for a in (log_ratio, lag, multi, position, carried))
+            sampled, recomputed, versions = sampled[keep], recomputed[keep], versions[keep]
         report.update(bucketed(log_ratio, lag, multi, position, carried, options.clip))
         if options.token_table:
-            table = {"rollout_id": np.concatenate([np.full(len(r.tokens), r.rollout_id, np.int64) for r in rollouts]),
+            table = {"rollout_id": np.concatenate([np.full(len(r.tokens), r.rollout_id, np.int64)
+                                                   for r in rollouts])[keep],
                      "position": position.astype(np.int32),
-                     "token_id": np.concatenate([r.tokens for r in rollouts]).astype(np.int32),
+                     "token_id": np.concatenate([r.tokens for r in rollouts]).astype(np.int32)[keep],
                      "version": versions.astype(np.int32), "lag": lag.astype(np.int32),
                      "sampled_logprob": sampled.astype(np.float32),
                      "target_logprob": recomputed.astype(np.float32),
@@ -238,7 +243,7 @@ def _per_step_lag(data: Dataset) -> list[dict[str, Any]]:
     per_step: dict[int, list[np.ndarray]] = {}
     for r in data.rollouts:
         if r.consumed_step is not None:
-            per_step.setdefault(r.consumed_step, []).append((r.consumed_step - 1) - r.versions.astype(np.int64))
+            per_step.setdefault(r.consumed_step, []).append((r.consumed_step - 1) - r.sampled_versions().astype(np.int64))
     rows = []
     for step in sorted(per_step):
         lags = np.concatenate(per_step[step])

@@ -36,6 +36,12 @@ class Rollout:
     temperature: float  # what the recorded logprobs were scaled by (1.0 for raw logprobs)
     consumed_step: int | None = None
     serving_precision: str = ""
+    # Per token: sampled by the model (an episode's environment tokens are not, and have no
+    # logprob: NaN); None: every token was sampled.
+    sampled: np.ndarray | None = None
+
+    def sampled_versions(self) -> np.ndarray:
+        return self.versions if self.sampled is None else self.versions[self.sampled]
 
     @property
     def multi_version(self) -> bool:
@@ -124,7 +130,8 @@ def load_dataset(run_dir: str | os.PathLike[str], *, limit: int | None = None,
                 logprobs=record.logprobs(), versions=record.expand_versions(),
                 dispatched_version=record.dispatched_version,
                 kv_carried=record.kv_carried_across_versions, temperature=_temperature(record),
-                serving_precision=record.identity.serving_precision))
+                serving_precision=record.identity.serving_precision,
+                sampled=record.sampled_mask() if record.environment_spans else None))
         elif isinstance(record, ConsumptionRecord):
             for rollout_id in record.rollout_ids:
                 claimed.setdefault(rollout_id, record.step)

@@ -55,10 +55,12 @@ class Columns:
     span_start: np.ndarray  # int64 (the dispatched version for an empty completion)
     span_end: np.ndarray  # int64
     n_versions: np.ndarray  # int32, 0 for an empty completion
-    n_tokens: np.ndarray  # int64 completion tokens
+    n_tokens: np.ndarray  # int64 sampled completion tokens (an episode's environment tokens aside)
     consumed: np.ndarray  # int64 consuming step, NOT_CONSUMED (-1) if none
     discarded: np.ndarray  # int32 index into `discard_reasons`, NOT_DISCARDED (-1) if not
     reward: np.ndarray  # float64 rewards["reward"]; NaN (internal only) when it has none
+    env_tokens: np.ndarray  # int64 completion tokens an episode's environment wrote (0: single turn)
+    turns: np.ndarray  # int32 model turns (1 for a single-turn rollout, 0 with no completion)
     # version runs
     seg_row: np.ndarray  # int64 rollout row
     seg_version: np.ndarray  # int64
@@ -166,12 +168,18 @@ class ColumnBuilder:
             detail = -1
         n_tokens = len(rec.completion_token_ids) // 4
         values = int32_values(rec.version_values)
+        env_tokens = 0
         if values:
             starts = int32_values(rec.version_starts)
             ends = starts[1:] + [n_tokens]
             self._seg_row.extend([row] * len(values))
             self._seg_version.extend(values)
-            self._seg_tokens.extend(end - start for start, end in zip(starts, ends))
+            if rec.environment_spans:  # token statistics count what was sampled
+                sampled = np.concatenate([[0], np.cumsum(rec.sampled_mask())])
+                env_tokens = n_tokens - int(sampled[-1])
+                self._seg_tokens.extend(int(sampled[end] - sampled[start]) for start, end in zip(starts, ends))
+            else:
+                self._seg_tokens.extend(end - start for start, end in zip(starts, ends))
             first, last = values[0], values[-1]
         else:
             first = last = rec.dispatched_version
@@ -185,8 +193,10 @@ class ColumnBuilder:
         columns["span_start"].append(first)
         columns["span_end"].append(last)
         columns["n_versions"].append(len(values))
-        columns["n_tokens"].append(n_tokens)
+        columns["n_tokens"].append(n_tokens - env_tokens)
         columns["reward"].append(math.nan if reward is None else float(reward))
+        columns["env_tokens"].append(env_tokens)
+        columns["turns"].append(rec.turns)
         self._discarded.append(NOT_DISCARDED)
         if self._ledger.pending:  # a claim may have come before this rollout: the ledger decides
             self._consumed.append(NOT_CONSUMED)

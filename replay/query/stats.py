@@ -96,6 +96,14 @@ def rollout_mask(columns: Columns, filters: Filters) -> np.ndarray:
     return mask
 
 
+def _turns(columns: Columns, mask: np.ndarray) -> dict[str, float | int] | None:
+    """Model turns per completed rollout (episodes; 1 for single-turn ones); None when none."""
+    turns = columns.turns[mask & (columns.status == 0) & (columns.turns > 0)]
+    if not len(turns):
+        return None
+    return {"mean": float(turns.mean()), "max": int(turns.max())}
+
+
 def compute_stats(columns: Columns, filters: Filters | None = None) -> dict[str, Any]:
     """Every statistic `inflight stats --json` prints (but `log`), as JSON-ready values."""
     filters = filters or Filters()
@@ -131,6 +139,9 @@ def compute_stats(columns: Columns, filters: Filters | None = None) -> dict[str,
                                               columns.discard_reasons),
         "errored_by_kind": _detail_counts(columns.detail[mask & (columns.status == 2)],
                                           columns.error_kinds),
+        "turns": _turns(columns, mask),
+        "environment_token_share": _fraction(int(columns.env_tokens[with_tokens].sum()),
+                                             int(columns.env_tokens[with_tokens].sum() + tokens.sum())),
         "activations": _activation_stats(columns, filters),
         "per_step": _per_step(columns, consumed_rows),
         "unmatched_consumptions": columns.unmatched_consumptions,

@@ -45,7 +45,13 @@ def _check_rollout(rec: Any) -> None:
                 _check_change_points(rec, n_bytes // 4)
         else:
             _check_change_points(rec, n_bytes // 4)
-        _check_logprobs(logprobs)
+        spans = rec.environment_spans
+        if spans:
+            _check_episode(spans, logprobs, n_bytes // 4)
+        else:
+            _check_logprobs(logprobs)
+    elif rec.environment_spans:
+        raise InvalidRecordError("environment_spans", "given for an empty completion")
     elif starts:
         raise InvalidRecordError("version_starts", "change points given for an empty completion")
     if rec.rewards:
@@ -97,6 +103,35 @@ def _check_logprobs(blob: bytes) -> None:
     if not logprobs.max() < np.inf:
         index = int(np.flatnonzero(~(logprobs < np.inf))[0])
         raise InvalidRecordError("completion_logprobs", f"{logprobs[index]} at token {index}")
+
+
+def _check_episode(spans: Any, logprobs: bytes, n_tokens: int) -> None:
+    """Environment spans: (start, end) int32 pairs, increasing, disjoint, within the completion;
+    the logprobs NaN exactly there (no logprob exists) and finite everywhere else."""
+    if type(spans) is not bytes or len(spans) % 8:
+        raise InvalidRecordError("environment_spans", "expected (start, end) int32 pairs as bytes")
+    flat = int32_values(spans)
+    previous_end = 0
+    mask = np.ones(n_tokens, dtype=bool)
+    for i in range(0, len(flat), 2):
+        start, end = flat[i], flat[i + 1]
+        if not previous_end <= start < end <= n_tokens or (i and start == previous_end):
+            raise InvalidRecordError(f"environment_spans[{i // 2}]",
+                                     f"({start}, {end}) is not a non-empty range after the previous span's end "
+                                     f"{previous_end} and within the {n_tokens} completion tokens (adjacent spans "
+                                     "are one span)")
+        mask[start:end] = False
+        previous_end = end
+    values = np.frombuffer(logprobs, FLOAT32)
+    sampled_bad = mask & ~(values < np.inf)
+    if sampled_bad.any():
+        index = int(np.flatnonzero(sampled_bad)[0])
+        raise InvalidRecordError("completion_logprobs", f"{values[index]} at sampled token {index}")
+    written = ~mask & ~np.isnan(values)
+    if written.any():
+        index = int(np.flatnonzero(written)[0])
+        raise InvalidRecordError("completion_logprobs", f"{values[index]} at token {index}, which the environment "
+                                                        "wrote: it has no logprob (NaN)")
 
 
 def _check_rewards(rewards: Any) -> None:

@@ -55,6 +55,11 @@ class RolloutRecord(msgspec.Struct, frozen=True, tag="rollout", tag_field="type"
     identity: PolicyIdentity
     timings: Timings
     consumed_step: int | None = None  # trainer step that consumed it (see ConsumptionRecord)
+    # A multi-turn episode: int32 (start, end) pairs, the completion-token ranges the environment
+    # wrote (tool output, feedback, the chat template's turn delimiters): never sampled, so their
+    # logprobs are NaN (absent) and the trainer's loss leaves them out. Empty: every completion
+    # token was sampled (a single-turn rollout, and every log written before episodes existed).
+    environment_spans: bytes = b""
 
     def __post_init__(self) -> None:
         _check_rollout(self)
@@ -82,12 +87,14 @@ class RolloutRecord(msgspec.Struct, frozen=True, tag="rollout", tag_field="type"
         rewards: dict[str, float] | None = None,
         sampling: SamplingSettings = DEFAULT_SAMPLING,
         consumed_step: int | None = None,
+        environment_spans: Sequence[tuple[int, int]] | None = None,
     ) -> RolloutRecord:
         """Build a record from lists/arrays.
 
         Give the per-token versions either as `token_versions` (one per completion token) or
         as `version_changes` [(first_token_index, version), ...]; with neither, every token is
-        attributed to `dispatched_version`.
+        attributed to `dispatched_version`. `environment_spans` [(start, end), ...]: the
+        completion tokens the environment wrote (their logprobs must be NaN: none exists).
         """
         completion = _as_blob(completion_token_ids, INT32)
         n_tokens = len(completion) // 4
@@ -110,6 +117,7 @@ class RolloutRecord(msgspec.Struct, frozen=True, tag="rollout", tag_field="type"
             identity=identity,
             timings=timings,
             consumed_step=consumed_step,
+            environment_spans=_as_blob([x for span in environment_spans or () for x in span], INT32),
         )
 
     # -- reading ------------------------------------------------------------------------------
@@ -126,6 +134,23 @@ class RolloutRecord(msgspec.Struct, frozen=True, tag="rollout", tag_field="type"
     @property
     def num_completion_tokens(self) -> int:
         return len(self.completion_token_ids) // 4
+
+    def environment_ranges(self) -> list[tuple[int, int]]:
+        """[(start, end), ...]: completion tokens the environment wrote (none: all sampled)."""
+        flat = int32_values(self.environment_spans)
+        return list(zip(flat[0::2], flat[1::2], strict=True))
+
+    def sampled_mask(self) -> np.ndarray:
+        """Per completion token: True where the model sampled it."""
+        mask = np.ones(self.num_completion_tokens, dtype=bool)
+        for start, end in self.environment_ranges():
+            mask[start:end] = False
+        return mask
+
+    @property
+    def turns(self) -> int:
+        """Model turns: each environment span sits between two of them; 0 with no completion."""
+        return len(self.environment_spans) // 8 + 1 if self.completion_token_ids else 0
 
     def change_points(self) -> list[tuple[int, int]]:
         """[(first_token_index, version), ...]"""

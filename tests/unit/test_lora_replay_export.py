@@ -27,6 +27,7 @@ from orchestrator.export_model import export_model
 from replay.errors import AdapterError
 from replay.log import FsyncPolicy, ReplayLog, read_records
 from replay.records import ActivationRecord, EngineActivation, RolloutRecord, RunMetaRecord, SamplingSettings, Timings
+from tests.unit.sample_helpers import sample_tokens
 
 pytestmark = pytest.mark.timeout(600)
 RUN_ID = "10ra0000beef"
@@ -76,16 +77,6 @@ def _logits(model, ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=ids).logits.float()
 
 
-@torch.no_grad()
-def _sample(model, prompt: list[int], n: int, gen: torch.Generator) -> tuple[list[int], list[float]]:
-    ids, tokens, logprobs = list(prompt), [], []
-    for _ in range(n):
-        lp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0, -1].float(), -1)
-        token = int(torch.multinomial(lp.exp(), 1, generator=gen))
-        tokens.append(token)
-        logprobs.append(float(lp[token]))
-        ids.append(token)
-    return tokens, logprobs
 
 
 def _run_config(base: Path) -> RunConfig:
@@ -103,12 +94,12 @@ def _write_rollouts(run: Path, base: Path, models: dict, gen: torch.Generator) -
     rollouts = []
     for version in (0, 1, 2, 1, 2):
         prompt = torch.randint(3, 1000, (6,), generator=gen).tolist()
-        tokens, lps = _sample(models[version], prompt, COMPLETION, gen)
+        tokens, lps = sample_tokens(models[version], prompt, COMPLETION, gen)
         rollouts.append((prompt, tokens, lps, [version] * COMPLETION))
     for _ in range(2):
         prompt = torch.randint(3, 1000, (6,), generator=gen).tolist()
-        head, head_lp = _sample(models[1], prompt, 5, gen)
-        tail, tail_lp = _sample(models[2], prompt + head, COMPLETION - 5, gen)
+        head, head_lp = sample_tokens(models[1], prompt, 5, gen)
+        tail, tail_lp = sample_tokens(models[2], prompt + head, COMPLETION - 5, gen)
         rollouts.append((prompt, head + tail, head_lp + tail_lp, [1] * 5 + [2] * (COMPLETION - 5)))
     with ReplayLog.open(run, fsync=FsyncPolicy.every(1000)) as log:
         log.append(RunMetaRecord(run_id=RUN_ID, created_at=time.time(), identity=identity,

@@ -142,7 +142,10 @@ def test_a_sidecar_of_the_previous_format_is_ignored_and_replaced(run_dir, scans
 @pytest.fixture
 def three_segments(tmp_path) -> tuple[Path, list]:
     records = [rollout(i, n_tokens=20) for i in range(9)]
-    acks = write_log(tmp_path, records, segment_bytes=2500)  # three records per segment
+    from replay.records import encode_record
+
+    frame = FRAME_HEADER.size + len(encode_record(records[0]))
+    acks = write_log(tmp_path, records, segment_bytes=SEGMENT_HEADER.size + 3 * frame + frame // 2)  # three per segment
     assert len(segments(tmp_path)) == 3
     return tmp_path, [(ack.segment, record) for ack, record in zip(acks, records)]
 

@@ -342,7 +342,7 @@ def _with_bytes(builtins: dict, change: dict) -> dict:
     """to_builtins turned blobs into base64 text; put the real bytes back."""
     record = rollout(4)
     for name in ("prompt_token_ids", "completion_token_ids", "completion_logprobs",
-                 "version_starts", "version_values"):
+                 "version_starts", "version_values", "environment_spans"):
         builtins[name] = change.get(name, getattr(record, name))
     return builtins
 

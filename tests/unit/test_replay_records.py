@@ -42,9 +42,10 @@ FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "replay"
 # v2: ActivationRecord gained strategy, kv_policy, kv_carried. v3: SamplingSettings gained
 # min_tokens, stop_token_ids, ignore_eos; PolicyIdentity logprobs_mode; ConsumptionRecord the
 # trainer's per-rollout and per-step measurements; the DiscardRecord type. v4: PolicyIdentity
-# adapter (LoRA runs).
-GOLDEN_SEGMENT = FIXTURES / "golden_v4.seg"
-OLDER_GOLDEN_SEGMENTS = [FIXTURES / "golden_v1.seg", FIXTURES / "golden_v2.seg", FIXTURES / "golden_v3.seg"]
+# adapter (LoRA runs). v5: RolloutRecord environment_spans (multi-turn episodes).
+GOLDEN_SEGMENT = FIXTURES / "golden_v5.seg"
+OLDER_GOLDEN_SEGMENTS = [FIXTURES / "golden_v1.seg", FIXTURES / "golden_v2.seg", FIXTURES / "golden_v3.seg",
+                         FIXTURES / "golden_v4.seg"]
 IDENTITY = PolicyIdentity("Qwen/Qwen3-0.6B", "tok-1a2b", "tmpl-3c4d", "bf16")
 
 # The on-disk field order. Append new fields (with defaults) at the end; never edit a line.
@@ -53,7 +54,7 @@ GOLDEN_FIELDS = {
         "rollout_id", "group_id", "prompt_id", "engine_id", "prompt_token_ids",
         "completion_token_ids", "completion_logprobs", "version_starts", "version_values",
         "dispatched_version", "kv_carried_across_versions", "status", "rewards", "sampling",
-        "identity", "timings", "consumed_step",
+        "identity", "timings", "consumed_step", "environment_spans",
     ],
     ActivationRecord: ["version", "outcome", "engines", "activated_at", "message", "strategy",
                        "kv_policy", "kv_carried"],
@@ -106,6 +107,16 @@ def legacy_golden_records() -> list:
 
 def golden_records() -> list:
     """What the newest golden segment holds: every field set, every record type."""
+    nan = float("nan")
+    return v4_golden_records() + [
+        rollout(rollout_id=24, consumed_step=None, completion_token_ids=[7, 8, 9, 10, 11, 12],
+                completion_logprobs=[-0.1, -0.2, nan, nan, -0.5, -0.25], token_versions=None,
+                version_changes=[(0, 17), (4, 18)], environment_spans=[(2, 4)]),
+    ]
+
+
+def v4_golden_records() -> list:
+    """What golden_v4 holds."""
     return v3_golden_records() + [
         rollout(rollout_id=23, consumed_step=None,
                 identity=PolicyIdentity("Qwen/Qwen3-0.6B", "tok-1a2b", "tmpl-3c4d", "bf16",
@@ -250,7 +261,8 @@ def test_the_invariants_are_checked_again_on_read():
     good.update(completion_logprobs=rollout().completion_logprobs[:8],
                 prompt_token_ids=rollout().prompt_token_ids,
                 completion_token_ids=rollout().completion_token_ids,
-                version_starts=rollout().version_starts, version_values=rollout().version_values)
+                version_starts=rollout().version_starts, version_values=rollout().version_values,
+                environment_spans=rollout().environment_spans)
     with pytest.raises(InvalidRecordError) as raised:
         decode_record(msgspec.msgpack.encode(good))
     assert raised.value.field == "completion_logprobs"
@@ -289,7 +301,8 @@ def test_writing_golden_records_reproduces_the_golden_segment_bytes(tmp_path):
 def test_every_golden_segment_reads_back_as_the_golden_records(tmp_path, segment):
     (tmp_path / "replay").mkdir()
     shutil.copy(segment, tmp_path / "replay" / "00000001.seg")
-    expected = {GOLDEN_SEGMENT: golden_records, FIXTURES / "golden_v3.seg": v3_golden_records}.get(
+    expected = {GOLDEN_SEGMENT: golden_records, FIXTURES / "golden_v3.seg": v3_golden_records,
+                FIXTURES / "golden_v4.seg": v4_golden_records}.get(
         segment, legacy_golden_records)()
     assert list(read_records(tmp_path)) == expected
 
@@ -328,7 +341,7 @@ def test_a_log_written_with_the_current_definition_reads_with_the_previous_one(t
     decoded = msgspec.msgpack.decode(encode_record(record), type=previous)
     assert decoded.rollout_id == record.rollout_id
     assert decoded.completion_logprobs == record.completion_logprobs
-    assert not hasattr(decoded, "consumed_step")
+    assert not hasattr(decoded, "environment_spans")
 
 
 def test_a_next_definition_with_an_appended_field_interoperates_both_ways(tmp_path):
@@ -460,3 +473,26 @@ def test_an_unknown_record_type_is_named_as_such():
         with pytest.raises(InvalidRecordError) as raised:
             decode_record(msgspec.msgpack.encode(not_unknown))
         assert not isinstance(raised.value, UnknownRecordTypeError), not_unknown
+
+
+@pytest.mark.parametrize("spans,logprobs,field,why", [
+    ([(2, 4)], [-0.1, -0.2, -0.3, float("nan"), -0.5], "completion_logprobs", "which the environment wrote"),
+    ([(2, 4)], [-0.1, float("nan"), float("nan"), float("nan"), -0.5], "completion_logprobs", "sampled token 1"),
+    ([(3, 2)], [-0.1] * 5, "environment_spans[0]", "not a non-empty range"),
+    ([(1, 2), (2, 3)], [-0.1, float("nan"), float("nan"), -0.1, -0.1], "environment_spans[1]", "adjacent"),
+    ([(4, 6)], [-0.1] * 5, "environment_spans[0]", "within the 5"),
+])
+def test_an_episode_record_keeps_nan_exactly_where_the_environment_wrote(spans, logprobs, field, why):
+    with pytest.raises(InvalidRecordError) as raised:
+        rollout(completion_logprobs=logprobs, environment_spans=spans)
+    assert raised.value.field == field and why in str(raised.value)
+
+
+def test_an_episode_reports_its_turns_and_which_tokens_were_sampled():
+    nan = float("nan")
+    r = rollout(completion_logprobs=[-0.1, nan, nan, -0.4, -0.5], environment_spans=[(1, 3)])
+    assert r.turns == 2 and r.environment_ranges() == [(1, 3)]
+    assert r.sampled_mask().tolist() == [True, False, False, True, True]
+    assert rollout().turns == 1 and rollout().sampled_mask().all()
+    assert rollout(completion_token_ids=[], completion_logprobs=[], token_versions=None).turns == 0
+
