@@ -37,9 +37,10 @@ def lora_run(tmp_path_factory) -> tuple[Path, Path]:
     text = EXAMPLE.read_text().replace('model = "models/tiny-lora"', f'model = "{model}"')
     assert str(model) in text, "examples/lora.toml names models/tiny-lora"
     config = root / "lora.toml"
-    config.write_text(text + '\nprogress = "plain"\n')  # appended to [run], the example's last table
+    # appended to [run], the example's last table; 30 of its 60 steps (it passes 0.5 by about 17)
+    config.write_text(text + '\nprogress = "plain"\n')
     run_dir = root / "run"
-    done = inflight("run", str(config), "--run-dir", str(run_dir))
+    done = inflight("run", str(config), "--run-dir", str(run_dir), "--max-steps", "30")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return run_dir, model
 
@@ -52,11 +53,11 @@ def test_the_digits_task_learns_with_a_lora_adapter_and_no_activation_pauses(lor
     run_dir, _model = lora_run
     stats = json.loads(inflight("stats", str(run_dir), "--json").stdout)
     rewards = {s["step"]: s["reward_mean"] for s in stats["per_step"]}
-    assert max(rewards) == 60
+    assert max(rewards) == 30
     reached = [s for s in sorted(rewards) if rewards[s] >= 0.5]
-    assert reached and reached[0] <= 60, f"reward per step: {rewards}"
+    assert reached and reached[0] <= 30, f"reward per step: {rewards}"  # the issue: within 60
     activations = records(run_dir, ActivationRecord)
-    assert len(activations) >= 50 and all(a.outcome == "activated" for a in activations)
+    assert len(activations) >= 25 and all(a.outcome == "activated" for a in activations)
     assert all(a.strategy == "adapter" for a in activations)
     assert all(e.pause_s == 0.0 for a in activations for e in a.engines), "an adapter activation paused an engine"
     rollouts = [r for r in records(run_dir, RolloutRecord) if r.status_name == "completed"]
@@ -80,7 +81,7 @@ def test_every_retained_version_samples_as_base_plus_its_adapter(lora_run):
         checked.add(version)
     # transport.keep_last (8) versions are retained; the newest of them sampled nothing consumed
     assert len(checked) >= 3, checked
-    verified = inflight("replay", str(run_dir), "--verify-spans", "--steps", "55:60", "--json")
+    verified = inflight("replay", str(run_dir), "--verify-spans", "--steps", "25:30", "--json")
     assert verified.returncode == 0, verified.stdout[-2000:] + verified.stderr[-2000:]
     report = json.loads(verified.stdout)["verify_spans"]
     assert report["passed"] and report["checked_tokens"] > 0 and report["checked_max_abs_diff"] <= 1e-3
@@ -88,10 +89,10 @@ def test_every_retained_version_samples_as_base_plus_its_adapter(lora_run):
 
 def test_resume_continues_and_export_writes_the_adapter_and_the_merged_model(lora_run, tmp_path):
     run_dir, model = lora_run
-    resumed = inflight("run", "--run-dir", str(run_dir), "--resume", "--max-steps", "62")
+    resumed = inflight("run", "--run-dir", str(run_dir), "--resume", "--max-steps", "32")
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     stats = json.loads(inflight("stats", str(run_dir), "--json").stdout)
-    assert max(s["step"] for s in stats["per_step"]) == 62 and stats["invalid_consumptions"] == 0
+    assert max(s["step"] for s in stats["per_step"]) == 32 and stats["invalid_consumptions"] == 0
     adapter = inflight("export-model", str(run_dir), "--version", "latest", str(tmp_path / "adapter"))
     assert adapter.returncode == 0, adapter.stderr[-2000:]
     assert {"adapter_model.safetensors", "adapter_config.json"} <= {p.name for p in (tmp_path / "adapter").iterdir()}
