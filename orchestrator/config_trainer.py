@@ -47,6 +47,11 @@ class LoraConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         """The engine's `max_lora_rank`: the smallest vLLM accepts that holds `rank`."""
         return next(r for r in VLLM_LORA_RANKS if r >= self.rank)
 
+    @property
+    def identity(self) -> str:
+        """What a run's policy identity records of its adapter (the version names which one)."""
+        return f"lora r={self.rank} alpha={self.alpha:g} targets={','.join(self.target_modules)}"
+
     def resident(self, max_off_policy_steps: int) -> int:
         """Adapters an engine may hold at once (see `max_loras`)."""
         return self.max_loras if self.max_loras is not None else max_off_policy_steps + 2

@@ -136,6 +136,8 @@ class AdapterStaging:
         in flight names (shielded: it runs in an activation's cleanup)."""
         if self.strategy != "adapter":
             return
+        # Versions before the live one are never staged again: their file checks are not needed.
+        self._checked = {v: why for v, why in self._checked.items() if v >= self.live_version}
         with anyio.CancelScope(shield=True), anyio.move_on_after(self.ft.rpc_s):
             for engine_id, held in list(self.resident.items()):
                 if engine_id in self.coordinator.fenced:
@@ -160,26 +162,6 @@ class AdapterStaging:
             return
         await engine.unload_adapter(ref)
         log.info("fleet.adapter_unloaded", engine=engine.engine_id, version=version, adapter=ref.name)
-
-
-def adapter_identity(config) -> str | None:
-    """What the identity records of a LoRA run's adapter (None: the whole model is trained)."""
-    lora = config.trainer.lora
-    if lora is None:
-        return None
-    return f"lora r={lora.rank} alpha={lora.alpha:g} targets={','.join(lora.target_modules)}"
-
-
-def make_fleet(engines, config, weights_root):
-    """The run's fleet: LoRA runs activate adapters (strategy "adapter"), others as configured."""
-    from orchestrator.fleet import Fleet
-
-    lora = config.trainer.lora
-    if lora is None:
-        return Fleet.from_config(engines, config.activation)
-    store = AdapterStore(root=Path(weights_root), max_loras=lora.resident(config.scheduler.max_off_policy_steps))
-    # "drain": a request ends on the weights it began with (here without waiting for it)
-    return Fleet(engines, strategy="adapter", kv_policy="drain", timeouts=config.activation.timeouts(), adapters=store)
 
 
 PROBE_ID = 2**31 - 1  # an int id no version takes

@@ -191,10 +191,9 @@ class Run:
 
     async def _setup(self) -> list:
         from orchestrator.engines import make_engine
-        from orchestrator.fleet_adapters import make_fleet, probe_targets
+        from orchestrator.fleet_adapters import probe_targets
         from orchestrator.metrics import RunMetrics
         from orchestrator.model import ensure_model
-        from orchestrator.fleet_adapters import adapter_identity
         from orchestrator.recording import Recorder, policy_identity
         from orchestrator.resume import DispatchJournal
         from orchestrator.scoring import make_scorer
@@ -208,7 +207,9 @@ class Run:
         with self.startup.phase("model"):
             model_dir = str(await anyio.to_thread.run_sync(
                 lambda: ensure_model(config.engine.model, preset=config.run.model_preset, seed=config.run.seed)))
-        self.identity = policy_identity(model_dir, config.engine.dtype, self.logprobs_mode, adapter_identity(config))
+        lora = config.trainer.lora
+        self.identity = policy_identity(model_dir, config.engine.dtype, self.logprobs_mode,
+                                        lora.identity if lora is not None else None)
         self.metrics = RunMetrics()
         self.recorder = Recorder(self.run_dir, fsync_every_records=config.run.fsync_every_records,
                                  fsync_every_ms=config.run.fsync_every_ms, on_record=self.metrics.on_record)
@@ -253,7 +254,7 @@ class Run:
             tg.start_soon(start_trainer)
             tg.start_soon(start_scorer)
             tg.start_soon(start_engines)
-        self.fleet = make_fleet(self.engines, config, ready.weights_root)
+        self.fleet = _make_fleet(self.engines, config, ready.weights_root)
         with self.startup.phase("fleet"):
             if config.trainer.lora is None:  # adapters need no receiver in the workers
                 await self.fleet.setup(ready.plan_json, ready.weights_root, timeout_s=config.transport.timeout_s)
@@ -439,3 +440,17 @@ async def _shutdown_engine(engine) -> None:
             await engine.shutdown()
     except Exception as exc:  # noqa: BLE001 - a dead engine has nothing left to stop
         log.warning("engine.shutdown_failed", engine=engine.engine_id, error=str(exc))
+
+
+def _make_fleet(engines, config: RunConfig, weights_root: str):
+    """The run's fleet: a LoRA run's versions are adapters (the `adapter` strategy: requests name
+    them, nothing pauses; "drain": a request ends on the weights it began with, here without
+    waiting for it); other runs activate as `[activation]` says."""
+    from orchestrator.fleet import Fleet
+    from orchestrator.fleet_adapters import AdapterStore
+
+    lora = config.trainer.lora
+    if lora is None:
+        return Fleet.from_config(engines, config.activation)
+    store = AdapterStore(root=Path(weights_root), max_loras=lora.resident(config.scheduler.max_off_policy_steps))
+    return Fleet(engines, strategy="adapter", kv_policy="drain", timeouts=config.activation.timeouts(), adapters=store)
