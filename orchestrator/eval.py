@@ -51,6 +51,11 @@ class Evaluator:
     """Evaluates one task's first prompts (built once) with its own scorer."""
 
     def __init__(self, task, scorer, config, sampling) -> None:
+        if getattr(task, "episodic", False):
+            from orchestrator.errors import ConfigError
+
+            raise ConfigError("eval", "held-out evaluation of a multi-turn task is not built yet: set "
+                                      "eval.every_steps = 0, or give [eval] a single-turn dataset or task")
         self.task = task
         self.scorer = scorer
         self.config = config  # orchestrator.config.EvalConfig

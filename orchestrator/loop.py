@@ -23,6 +23,7 @@ import numpy as np
 from orchestrator import scheduler as sch
 from orchestrator.eval import run_evaluations
 from orchestrator.logging import get_logger
+from orchestrator.loop_episodes import episode_rollout
 from orchestrator.loop_records import InFlight, consumption_record, request_id, reward_components, settled
 from orchestrator.progress import StepLine
 from orchestrator.recording import RolloutContext, build_rollout_record
@@ -178,6 +179,9 @@ class RunLoop:
                 return  # ended before it started (the run stopped): its record is written
             if d.rollout_id in self.aborting:  # aborted while queued: no engine ever sees it
                 self._finished(d, None, "aborted", message="aborted before it was sent")
+                return
+            if getattr(self.run.task, "episodic", False):  # a multi-turn episode: loop_episodes.py
+                await episode_rollout(self, d)
                 return
             try:
                 completion = await self.run.fleet.generate(

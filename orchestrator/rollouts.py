@@ -96,6 +96,12 @@ class FleetCompletion:
     first_token_at: float | None = None
     finished_at: float | None = None
     message: str = ""
+    # What the engine reported it ran as the prompt, where it reports it (None: not reported).
+    engine_prompt_token_ids: list[int] | None = None
+    # A multi-turn episode (orchestrator/loop_episodes.py): the completion tokens the environment
+    # wrote, [(start, end), ...] (their logprobs are NaN), and why the episode ended.
+    environment_spans: list[tuple[int, int]] | None = None
+    episode_end: str | None = None
 
     def change_points(self) -> list[tuple[int, int]]:
         return list(self.changes)
@@ -210,6 +216,7 @@ class RolloutStreams:
         logprobs: list[float] = []
         spans = None
         finish = None
+        engine_prompt = None
         status, reason, message = "completed", "", ""
         kwargs: dict = {"final_only": True} if final_only else {}
         adapter = self.request_adapter(track.dispatched_version)
@@ -230,7 +237,7 @@ class RolloutStreams:
                         logprobs += chunk.logprobs
                         track.n_tokens += len(ids)  # progress, readable while it streams
                     if chunk.finished:
-                        finish, spans = chunk.finish_reason, chunk.version_spans
+                        finish, spans, engine_prompt = chunk.finish_reason, chunk.version_spans, chunk.prompt_token_ids
             fenced = scope.cancelled_caught or track.fenced
             reported = fenced or await self._switch_reported(track)
             if fenced:
@@ -284,7 +291,7 @@ class RolloutStreams:
         completion = FleetCompletion(rid, target, list(prompt_token_ids), tokens, logprobs, changes,
                                      track.dispatched_version, carried, status, reason, finish,
                                      dispatched_at=track.started_at, first_token_at=track.first_token_at,
-                                     finished_at=time.time(), message=message)
+                                     finished_at=time.time(), message=message, engine_prompt_token_ids=engine_prompt)
         if self.on_outcome is not None:
             self.on_outcome(completion)
         return completion

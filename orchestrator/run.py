@@ -218,7 +218,9 @@ class Run:
         with self.startup.phase("task"):
             self.task = await anyio.to_thread.run_sync(lambda: make_task(
                 config.task, model_dir, search_path=self.search_path))
-        self.scorer = make_scorer(self.task, pool=config.task.scoring_pool, workers=config.task.score_workers,
+        # A multi-turn task's reward is its episode's: no scoring pool to start.
+        pool = "thread" if getattr(self.task, "episodic", False) else config.task.scoring_pool
+        self.scorer = make_scorer(self.task, pool=pool, workers=config.task.score_workers,
                                   timeout_s=config.task.score_timeout_s,
                                   builder=functools.partial(make_task, config.task, model_dir,
                                                             search_path=self.search_path, scoring_only=True))

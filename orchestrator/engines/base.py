@@ -63,6 +63,9 @@ class TokenChunk(msgspec.Struct):
     finished: bool = False
     finish_reason: str | None = None
     version_spans: list[VersionSpan] | None = None
+    # On the last chunk, where the engine reports it: the prompt token ids it ran (a multi-turn
+    # episode checks each turn's prompt against the tokens it sent).
+    prompt_token_ids: list[int] | None = None
 
 
 class Completion(msgspec.Struct):

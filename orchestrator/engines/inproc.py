@@ -33,7 +33,7 @@ from orchestrator.model import check_model_dir
 log = get_logger(__name__)
 
 
-def chunk_from_output(completion, finished: bool) -> TokenChunk:
+def chunk_from_output(completion, finished: bool, prompt_token_ids=None) -> TokenChunk:
     """Convert one DELTA `CompletionOutput` of vLLM into a TokenChunk."""
     token_ids = list(completion.token_ids)
     logprobs: list[float] = []
@@ -45,7 +45,7 @@ def chunk_from_output(completion, finished: bool) -> TokenChunk:
         spans = [VersionSpan(parse_version(s.version), s.start, s.end) for s in completion.weight_versions]
     return TokenChunk(token_ids=token_ids, logprobs=logprobs, finished=finished,
                       finish_reason=completion.finish_reason if finished else None,
-                      version_spans=spans)
+                      version_spans=spans, prompt_token_ids=prompt_token_ids if finished else None)
 
 
 class InProcessEngine(Engine):
@@ -163,7 +163,7 @@ class InProcessEngine(Engine):
                     raise EngineGenerateError(self.engine_id, f"request {request_id} failed: {exc.__cause__ or exc}") from exc
                 except ValueError as exc:  # vLLM's validation of the request (bad token id, length)
                     raise EngineGenerateError(self.engine_id, f"request {request_id} rejected: {exc}") from exc
-                yield chunk_from_output(out.outputs[0], out.finished)
+                yield chunk_from_output(out.outputs[0], out.finished, out.prompt_token_ids)
                 if out.finished:
                     return
         finally:

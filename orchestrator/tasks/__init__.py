@@ -1,6 +1,7 @@
 """Tasks: prompts and rewards (docs/tasks.md). `make_task(config, model_dir)` builds the configured one:
 
-    [task] entrypoint = "pkg.mod:make"   the user's factory: a task object (row(), score()) or a dataset
+    [task] entrypoint = "pkg.mod:make"   the user's factory: a task object (row(), score()), a dataset,
+                                         or a multi-turn environment (reset(), step(): tasks/episodes.py)
     [task] dataset = "data.jsonl"         rows from a file, scored by [task] rewards
     [task] name = "digits" | "length"     a built-in toy
 """
@@ -44,6 +45,12 @@ def make_task(config: TaskConfig, model_dir: str, *, search_path: list[str] | No
 
         factory = load_callable(config.entrypoint, f"{where}.entrypoint", search_path)
         made = call_factory(factory, dict(config.args), where, tokenizer=tokenizer)
+        from orchestrator.tasks.episodes import environment_task, is_environment
+
+        if is_environment(made):
+            from orchestrator.tasks.dataset import load_rows
+
+            return environment_task(made, tokenizer, config, where=where, scan=not scoring_only, load_rows=load_rows)
         if callable(getattr(made, "row", None)):
             name = config.id or getattr(made, "name", None) or config.task_id
             return RowTask(tokenizer, config, name=str(name), source=made, rewards=rewards, where=where,

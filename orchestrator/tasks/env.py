@@ -79,6 +79,7 @@ class Episode:
     reward: float | None = None
     ended: str | None = None
     detail: str = ""  # e.g. why a tool call was malformed
+    state: dict = field(default_factory=dict)  # the environment's own, per episode
 
     def next_prompt(self) -> list[int]:
         return self.prompt_ids + self.tokens
@@ -112,14 +113,22 @@ class Episode:
 
 
 Sampler = Callable[[list[int], int], Awaitable[SampledTurn]]  # (prompt ids, max new tokens) -> turn
+# call(fn, *args): await fn(*args) wherever the environment's code runs, bounded by its timeout.
+EnvCall = Callable[..., Awaitable]
 
 
 async def run_episode(env: Environment, renderer: TurnRenderer, sample: Sampler, row: dict,
-                      max_tokens_per_turn: int) -> Episode:
-    """One episode to its end (`Episode.ended`); `sample` runs one turn on an engine."""
-    with anyio.fail_after(env.step_timeout_s):
-        messages = list(await env.reset(row))
+                      max_tokens_per_turn: int, *, call: EnvCall | None = None,
+                      started: Callable[[Episode], None] | None = None) -> Episode:
+    """One episode to its end (`Episode.ended`); `sample` runs one turn on an engine, `call`
+    runs the environment's `reset` and `step` (default: on this loop, each bounded by
+    `env.step_timeout_s`); `started(episode)` is told the episode once it exists (so a caller
+    can record what it holds if a later turn fails)."""
+    call = call or _on_this_loop(env.step_timeout_s)
+    messages = _messages(await call(env.reset, row), "reset")
     episode = Episode(row=row, messages=messages, prompt_ids=renderer.first_prompt(messages))
+    if started is not None:
+        started(episode)
     while True:
         room = env.max_episode_tokens - episode.length
         if room <= 0:
@@ -129,8 +138,7 @@ async def run_episode(env: Environment, renderer: TurnRenderer, sample: Sampler,
         turn = await sample(episode.next_prompt(), min(max_tokens_per_turn, room))
         episode.add_sampled(turn)
         episode.messages.append({"role": "assistant", "content": _reply_text(renderer, turn.token_ids)})
-        with anyio.fail_after(env.step_timeout_s):
-            new, reward, done = await env.step(episode)
+        new, reward, done = _step_result(await call(env.step, episode))
         if reward is not None:
             episode.reward = float(reward)
         if episode.ended is not None:  # the environment ended it with a reason of its own
@@ -147,6 +155,31 @@ async def run_episode(env: Environment, renderer: TurnRenderer, sample: Sampler,
             return episode
         episode.add_environment(delta)
         episode.messages += new
+
+
+def _on_this_loop(timeout_s: float) -> EnvCall:
+    async def call(fn, *args):
+        with anyio.fail_after(timeout_s):
+            return await fn(*args)
+    return call
+
+
+def _messages(value, where: str) -> list[dict]:
+    if not isinstance(value, (list, tuple)) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in value):
+        raise TypeError(f"the environment's {where}() must return a list of {{role, content}} messages, "
+                        f"got {str(value)[:80]}")
+    return list(value)
+
+
+def _step_result(value) -> tuple[list[dict], float | None, bool]:
+    if not isinstance(value, tuple) or len(value) != 3:
+        raise TypeError(f"the environment's step() must return (messages, reward or None, done), got {str(value)[:80]}")
+    new, reward, done = value
+    if reward is not None and (isinstance(reward, bool) or not isinstance(reward, (int, float))
+                               or reward != reward or abs(reward) == float("inf")):
+        raise TypeError(f"the environment's step() returned reward {reward!r}: a finite number or None")
+    return _messages(new, "step"), reward, bool(done)
 
 
 def _reply_text(renderer: TurnRenderer, token_ids: Sequence[int]) -> str:
@@ -177,8 +210,9 @@ class ToolEnvironment(Environment):
     async def step(self, episode: Episode) -> tuple[list[dict], float | None, bool]:
         calls = parse_tool_calls(episode.last_reply())
         if isinstance(calls, MalformedToolCall):
+            # The environment's rule, documented: a call that does not parse scores 0.
             episode.ended, episode.detail = MALFORMED_TOOL_CALL, calls.reason
-            return [], None, True
+            return [], 0.0, True
         if not calls:
             return [], float(self.score(episode, episode.row)), True
         by_name = {fn.__name__: fn for fn in self.tools}

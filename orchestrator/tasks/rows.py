@@ -32,9 +32,7 @@ class RowTask(Task):
         self.where = where
         self.source = source
         self.rewards = rewards
-        if rewards is None and (source is None or not callable(getattr(source, "score", None))):
-            raise ConfigError(f"{where}.rewards", "nothing scores this task: give rewards = [{fn = ...}] "
-                                                  "(or a task object with a score() method)")
+        self._check_scoring()
         self._check_template()
         self._rows = rows
         self._encoded: list[tuple[int, ...]] = []
@@ -52,6 +50,11 @@ class RowTask(Task):
             raise ConfigError(f"{where}.max_prompt_tokens", "an endless task (no __len__) cannot skip rows")
         else:
             self._source_row(0)  # a task that cannot give its first row fails now, named
+
+    def _check_scoring(self) -> None:
+        if self.rewards is None and (self.source is None or not callable(getattr(self.source, "score", None))):
+            raise ConfigError(f"{self.where}.rewards", "nothing scores this task: give rewards = [{fn = ...}] "
+                                                       "(or a task object with a score() method)")
 
     # -- rows ------------------------------------------------------------------------------------
     @property

@@ -60,6 +60,9 @@ class RolloutRecord(msgspec.Struct, frozen=True, tag="rollout", tag_field="type"
     # logprobs are NaN (absent) and the trainer's loss leaves them out. Empty: every completion
     # token was sampled (a single-turn rollout, and every log written before episodes existed).
     environment_spans: bytes = b""
+    # Why a multi-turn episode ended: "done" (its environment or agent said so), "max_turns",
+    # "max_episode_tokens", "malformed_tool_call"; None: not an episode (or no episode ran).
+    episode_end: str | None = None
 
     def __post_init__(self) -> None:
         _check_rollout(self)
@@ -88,6 +91,7 @@ class RolloutRecord(msgspec.Struct, frozen=True, tag="rollout", tag_field="type"
         sampling: SamplingSettings = DEFAULT_SAMPLING,
         consumed_step: int | None = None,
         environment_spans: Sequence[tuple[int, int]] | None = None,
+        episode_end: str | None = None,
     ) -> RolloutRecord:
         """Build a record from lists/arrays.
 
@@ -118,6 +122,7 @@ class RolloutRecord(msgspec.Struct, frozen=True, tag="rollout", tag_field="type"
             timings=timings,
             consumed_step=consumed_step,
             environment_spans=_as_blob([x for span in environment_spans or () for x in span], INT32),
+            episode_end=episode_end,
         )
 
     # -- reading ------------------------------------------------------------------------------

@@ -145,4 +145,4 @@ async def test_a_failing_tool_answers_with_its_error_and_a_malformed_call_ends_t
     assert (ep.ended, ep.reward) == (DONE, 0.0)
     torn = '<tool_call>{"name": "add", "arguments": {"a": 2'
     ep = await run_episode(Calculator(), renderer, Script(renderer, [torn], [0]), {"a": 2, "b": 3}, 64)
-    assert ep.ended == MALFORMED_TOOL_CALL and ep.reward is None and "opened" in ep.detail
+    assert ep.ended == MALFORMED_TOOL_CALL and ep.reward == 0.0 and "opened" in ep.detail

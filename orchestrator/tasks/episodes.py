@@ -1,0 +1,127 @@
+"""Multi-turn tasks (issue #19, docs/multi-turn.md): each rollout is an episode.
+
+`[task] entrypoint` names a factory that returns an `Environment` (`orchestrator.tasks.env`:
+async `reset(row)` and `step(episode)`), or `[task] agent` names a user's `async def run(client,
+row) -> reward` that talks to the run's OpenAI-compatible endpoint (`orchestrator.tasks.agent`).
+Either way the task is an `EpisodeTask`: rows as any row task draws them (the environment's own
+`row(index)` and optional `__len__`, or `task.dataset`), and `run_episode(prompt, sample, ...)`
+in place of a score: the reward is the episode's.
+
+An environment's code runs off the run's event loop, in worker threads (each call on that
+thread's own event loop), every `reset` and `step` bounded by its `step_timeout_s`: a hung
+step ends its episode (`environment_timeout`) and the run goes on; Python cannot stop the
+thread, which is left to finish on its own.
+
+The chat template is checked at start: one that is not prefix-preserving is refused
+(`turns.TemplateError`, naming `task.chat_template`), before any engine starts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import anyio
+
+from orchestrator.config import TaskConfig
+from orchestrator.errors import ConfigError
+from orchestrator.tasks.base import Prompt, call_maybe_async
+from orchestrator.tasks.env import Environment, Episode, Sampler, run_episode
+from orchestrator.tasks.rows import RowTask
+from orchestrator.tasks.turns import TurnRenderer
+
+# Worker threads environments' calls share (each episode's calls run one at a time).
+ENVIRONMENT_THREADS = 16
+
+
+def is_environment(made) -> bool:
+    """Whether a factory's product is a multi-turn environment (reset and step, duck-typed)."""
+    return isinstance(made, Environment) or (callable(getattr(made, "reset", None))
+                                             and callable(getattr(made, "step", None)))
+
+
+class EnvironmentEpisodes:
+    """Runs episodes of one environment, its code in worker threads."""
+
+    def __init__(self, env, renderer: TurnRenderer, *, where: str = "task") -> None:
+        self.env = env
+        self.renderer = renderer
+        for name, default in (("max_turns", 4), ("max_episode_tokens", 1024), ("step_timeout_s", 30.0)):
+            value = getattr(env, name, default)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigError(f"{where}.entrypoint", f"the environment's {name} must be a positive number, "
+                                                         f"got {value!r}")
+        self._limiter = anyio.CapacityLimiter(ENVIRONMENT_THREADS)
+
+    async def run_episode(self, row: dict, sample: Sampler, max_tokens_per_turn: int,
+                          started: Callable[[Episode], None] | None = None) -> Episode:
+        return await run_episode(self.env, self.renderer, sample, row, max_tokens_per_turn,
+                                 call=self._off_loop, started=started)
+
+    async def _off_loop(self, fn, *args):
+        with anyio.fail_after(getattr(self.env, "step_timeout_s", 30.0)):
+            return await anyio.to_thread.run_sync(call_maybe_async, fn, *args, limiter=self._limiter,
+                                                  abandon_on_cancel=True)
+
+
+class EpisodeTask(RowTask):
+    """Rows from the environment (row(index), optional __len__) or from `task.dataset`; each
+    rollout an episode of `runner` (EnvironmentEpisodes or agent.AgentEpisodes)."""
+
+    episodic = True
+
+    def __init__(self, tokenizer, config: TaskConfig, *, name: str, runner, renderer: TurnRenderer,
+                 rows: list[dict] | None = None, source=None, where: str = "task", scan: bool = True) -> None:
+        self.runner = runner
+        self.renderer = renderer
+        super().__init__(tokenizer, config, name=name, rows=rows, source=source, rewards=None, where=where,
+                         scan=scan)
+
+    def _check_scoring(self) -> None:
+        """The episode's reward scores it; `task.rewards` would be a second, unused score."""
+        if self.config.rewards:
+            raise ConfigError(f"{self.where}.rewards", "a multi-turn task's reward comes from its environment "
+                                                       "(step) or agent (run); remove rewards")
+
+    def _encode_row(self, row: dict, number: int) -> tuple[int, ...]:
+        return ()  # the first prompt is what the episode's reset (or the agent's first call) renders
+
+    def _check_columns(self, row: dict, number: int, needed: list[str]) -> None:
+        return None
+
+    def _prompt_text(self, row: dict) -> str:
+        return ""
+
+    async def run_episode(self, prompt: Prompt, sample: Sampler, max_tokens_per_turn: int,
+                          started: Callable[[Episode], None] | None = None) -> Episode:
+        return await self.runner.run_episode(dict(prompt.row or {}), sample, max_tokens_per_turn,
+                                             **({"started": started} if started is not None else {}))
+
+    def score_sync(self, prompt, completion_token_ids):
+        raise TypeError("a multi-turn task is scored by its episodes (run_episode), not score()")
+
+
+def environment_task(made, tokenizer, config: TaskConfig, *, where: str, scan: bool, load_rows) -> EpisodeTask:
+    """The EpisodeTask of an environment a factory returned; `load_rows(path, field)` reads
+    `task.dataset` when the environment has no rows of its own."""
+    renderer = checked_renderer(tokenizer, config, where)
+    runner = EnvironmentEpisodes(made, renderer, where=where)
+    name = config.id or getattr(made, "name", None) or config.task_id
+    if callable(getattr(made, "row", None)):
+        return EpisodeTask(tokenizer, config, name=str(name), runner=runner, renderer=renderer, source=made,
+                           where=where, scan=scan)
+    if config.dataset is None:
+        raise ConfigError(f"{where}.dataset", "the environment has no row(index): give task.dataset (the rows "
+                                              "each episode's reset(row) gets)")
+    rows = load_rows(config.dataset, f"{where}.dataset") if scan else []
+    return EpisodeTask(tokenizer, config, name=str(name), runner=runner, renderer=renderer, rows=rows,
+                       where=where, scan=scan)
+
+
+def checked_renderer(tokenizer, config: TaskConfig, where: str) -> TurnRenderer:
+    """The episode's renderer, its template checked (prefix-preserving) now, at start."""
+    if not config.chat_template:
+        raise ConfigError(f"{where}.chat_template", "a multi-turn task renders its turns with the chat template: "
+                                                    "chat_template = false cannot be used with it")
+    renderer = TurnRenderer(tokenizer, field=f"{where}.chat_template")
+    renderer.check_prefix_preserving()
+    return renderer
