@@ -137,7 +137,8 @@ async def episode_rollout(loop, d: sch.Dispatch) -> None:
     turns = EpisodeTurns(loop, d)
     try:
         episode = await loop.run.task.run_episode(loop.prompts[d.group_id], turns.sample,
-                                                  loop.run.sampling.max_tokens, started=turns.started)
+                                                  loop.run.sampling.max_tokens, started=turns.started,
+                                                  max_len=loop.run.config.engine.max_model_len)
     except EpisodeAborted as exc:
         _finish(loop, d, entry, turns, "aborted", message=str(exc), status="dropped")
         return

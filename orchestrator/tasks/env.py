@@ -119,18 +119,20 @@ EnvCall = Callable[..., Awaitable]
 
 async def run_episode(env: Environment, renderer: TurnRenderer, sample: Sampler, row: dict,
                       max_tokens_per_turn: int, *, call: EnvCall | None = None,
-                      started: Callable[[Episode], None] | None = None) -> Episode:
+                      started: Callable[[Episode], None] | None = None, max_len: int | None = None) -> Episode:
     """One episode to its end (`Episode.ended`); `sample` runs one turn on an engine, `call`
     runs the environment's `reset` and `step` (default: on this loop, each bounded by
     `env.step_timeout_s`); `started(episode)` is told the episode once it exists (so a caller
-    can record what it holds if a later turn fails)."""
+    can record what it holds if a later turn fails); `max_len` (the engines' context length)
+    lowers the environment's `max_episode_tokens` where it is smaller."""
+    limit = min(env.max_episode_tokens, max_len) if max_len else env.max_episode_tokens
     call = call or _on_this_loop(env.step_timeout_s)
     messages = _messages(await call(env.reset, row), "reset")
     episode = Episode(row=row, messages=messages, prompt_ids=renderer.first_prompt(messages))
     if started is not None:
         started(episode)
     while True:
-        room = env.max_episode_tokens - episode.length
+        room = limit - episode.length
         if room <= 0:
             episode.ended = MAX_EPISODE_TOKENS
             return episode
@@ -150,7 +152,7 @@ async def run_episode(env: Environment, renderer: TurnRenderer, sample: Sampler,
             episode.ended = MAX_TURNS
             return episode
         delta = renderer.delta(history, turn.token_ids, new)
-        if episode.length + len(delta) >= env.max_episode_tokens:
+        if episode.length + len(delta) >= limit:
             episode.ended = MAX_EPISODE_TOKENS  # no room left for a model turn after the environment's
             return episode
         episode.add_environment(delta)

@@ -53,9 +53,9 @@ class EnvironmentEpisodes:
         self._limiter = anyio.CapacityLimiter(ENVIRONMENT_THREADS)
 
     async def run_episode(self, row: dict, sample: Sampler, max_tokens_per_turn: int,
-                          started: Callable[[Episode], None] | None = None) -> Episode:
+                          started: Callable[[Episode], None] | None = None, max_len: int | None = None) -> Episode:
         return await run_episode(self.env, self.renderer, sample, row, max_tokens_per_turn,
-                                 call=self._off_loop, started=started)
+                                 call=self._off_loop, started=started, max_len=max_len)
 
     async def _off_loop(self, fn, *args):
         with anyio.fail_after(getattr(self.env, "step_timeout_s", 30.0)):
@@ -92,9 +92,11 @@ class EpisodeTask(RowTask):
         return ""
 
     async def run_episode(self, prompt: Prompt, sample: Sampler, max_tokens_per_turn: int,
-                          started: Callable[[Episode], None] | None = None) -> Episode:
-        return await self.runner.run_episode(dict(prompt.row or {}), sample, max_tokens_per_turn,
-                                             **({"started": started} if started is not None else {}))
+                          started: Callable[[Episode], None] | None = None, max_len: int | None = None) -> Episode:
+        """One episode of `prompt`'s row; `max_len`: the engines' context length (an episode
+        never grows past it)."""
+        extra = {"started": started, "max_len": max_len} if isinstance(self.runner, EnvironmentEpisodes) else {}
+        return await self.runner.run_episode(dict(prompt.row or {}), sample, max_tokens_per_turn, **extra)
 
     def score_sync(self, prompt, completion_token_ids):
         raise TypeError("a multi-turn task is scored by its episodes (run_episode), not score()")
