@@ -31,7 +31,6 @@ from orchestrator.loop_records import request_id
 from orchestrator.rollouts import FleetCompletion
 from orchestrator.tasks.env import Episode, SampledTurn
 
-NAN = float("nan")
 # Kinds an episode errors with (besides the engine's own).
 ENVIRONMENT_ERROR = "environment_error"
 ENVIRONMENT_TIMEOUT = "environment_timeout"
@@ -107,28 +106,13 @@ class EpisodeTurns:
         episode, first = self.episode, self.first
         if episode is None or first is None:
             return None
-        logprobs = iter(episode.logprobs)
-        values = [next(logprobs) if s else NAN for s in episode.sampled]
+        values = episode.logprobs_with_gaps()
         return FleetCompletion(
             request_id(self.d.rollout_id), first.engine_id, list(episode.prompt_ids), list(episode.tokens), values,
             list(episode.changes), first.dispatched_version, self.kv_carried, status, reason,
             self.last.finish_reason, dispatched_at=first.dispatched_at, first_token_at=first.first_token_at,
-            finished_at=time.time(), message=message, environment_spans=environment_spans(episode.sampled),
+            finished_at=time.time(), message=message, environment_spans=list(episode.spans),
             episode_end=episode.ended)
-
-
-def environment_spans(sampled: list[bool]) -> list[tuple[int, int]]:
-    spans: list[tuple[int, int]] = []
-    start = None
-    for i, s in enumerate(sampled):
-        if not s and start is None:
-            start = i
-        elif s and start is not None:
-            spans.append((start, i))
-            start = None
-    if start is not None:
-        spans.append((start, len(sampled)))
-    return spans
 
 
 async def episode_rollout(loop, d: sch.Dispatch) -> None:

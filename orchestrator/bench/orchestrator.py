@@ -17,7 +17,10 @@
 4. Generation at the engine's speed: `generation_ratio` = completion tokens/s of the rollout path
    over offline `vllm.LLM.generate`, same prompts and engine settings (`orchestrator/bench/generation.py`,
    goal >= 0.8).
-5. Async speed-up (`--digits-steps N`, real engine and trainer): the embedded default config
+5. Multi-turn: `multi_turn_overhead_ratio` = 4-turn episodes/s through the environment protocol
+   over (single-turn rollouts/s of the same turns / 4), same fake engine (`orchestrator/bench/multi_turn.py`,
+   goal >= 0.8).
+6. Async speed-up (`--digits-steps N`, real engine and trainer): the embedded default config
    run in async mode and in sync mode for the same number of steps; `async_speedup` = trainer
    steps per minute async over sync.
 """
@@ -49,6 +52,8 @@ def register(bench_sub) -> None:
     p.add_argument("--generation-preset", default="tiny-rl", choices=["tiny-rl", "small", "none"],
                    help="generation_ratio: the rollout path against offline vllm.LLM.generate on this model "
                         "preset (real engine; none: skip)")
+    p.add_argument("--multi-turn-episodes", type=int, default=1024,
+                   help="episodes of the multi_turn_overhead_ratio measurement (0: skip; the tiny-rl tokenizer)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=bench_command)
 
@@ -216,12 +221,13 @@ class BenchRun:
 
 
 async def orchestrator_rate(concurrency: int, rollouts: int, score_ms: float = 0.0, pool: str = "thread",
-                            chunk_delay_s: float = 0.0) -> dict:
+                            chunk_delay_s: float = 0.0, tokens: int = TOKENS) -> dict:
     """Rollouts/s of the real RunLoop, and the event loop thread's CPU per rollout."""
     from orchestrator.loop import RunLoop
 
     with tempfile.TemporaryDirectory(prefix="inflight-bench-") as tmp:
-        run = BenchRun(Path(tmp), concurrency, rollouts, score_ms, pool=pool, chunk_delay_s=chunk_delay_s)
+        run = BenchRun(Path(tmp), concurrency, rollouts, score_ms, tokens=tokens, pool=pool,
+                       chunk_delay_s=chunk_delay_s)
         loop = RunLoop(run)
         run.loop = loop
         await run.scorer.start()
@@ -316,6 +322,13 @@ async def run_bench(args: argparse.Namespace) -> dict:
     result.update(await score_overhead_paced())
     if args.soak_steps:
         result.update(await soak(args.soak_steps, max(1, args.soak_steps // 10)))
+    if args.multi_turn_episodes:
+        from orchestrator.bench.multi_turn import multi_turn_overhead
+        from orchestrator.model import ensure_model
+
+        model = await anyio.to_thread.run_sync(lambda: ensure_model("models/tiny-rl", preset="tiny-rl"))
+        result.update(await multi_turn_overhead(BenchRun, orchestrator_rate, str(model),
+                                                episodes=args.multi_turn_episodes))
     return result
 
 

@@ -40,6 +40,7 @@ DONE = "done"  # the environment said so
 MAX_TURNS = "max_turns"
 MAX_EPISODE_TOKENS = "max_episode_tokens"
 MALFORMED_TOOL_CALL = "malformed_tool_call"
+_NAN = float("nan")
 
 
 class Environment:
@@ -48,6 +49,10 @@ class Environment:
     max_turns: int = 4
     max_episode_tokens: int = 1024
     step_timeout_s: float = 30.0
+    # False: reset/step run off the run's event loop (tasks/env_thread.py), safe for code that
+    # blocks. True: an async environment that never blocks (no CPU-heavy work, no blocking
+    # I/O) runs on the run's loop: no thread hop per turn (multi_turn_overhead_ratio_on_loop).
+    on_loop: bool = False
 
     async def reset(self, row: dict) -> list[dict]:
         raise NotImplementedError
@@ -80,6 +85,7 @@ class Episode:
     ended: str | None = None
     detail: str = ""  # e.g. why a tool call was malformed
     state: dict = field(default_factory=dict)  # the environment's own, per episode
+    spans: list[tuple[int, int]] = field(default_factory=list)  # (start, end) in tokens the environment wrote
 
     def next_prompt(self) -> list[int]:
         return self.prompt_ids + self.tokens
@@ -108,8 +114,22 @@ class Episode:
         self.turns += 1
 
     def add_environment(self, token_ids: Sequence[int]) -> None:
+        if token_ids:
+            self.spans.append((len(self.tokens), len(self.tokens) + len(token_ids)))
         self.tokens += token_ids
         self.sampled += [False] * len(token_ids)
+
+    def logprobs_with_gaps(self) -> list[float]:
+        """One logprob per token of `tokens`: NaN where the environment wrote (none exists)."""
+        out: list[float] = []
+        taken = at = 0
+        for start, end in self.spans:
+            out += self.logprobs[taken:taken + start - at]
+            taken += start - at
+            out += [_NAN] * (end - start)
+            at = end
+        out += self.logprobs[taken:]
+        return out
 
 
 Sampler = Callable[[list[int], int], Awaitable[SampledTurn]]  # (prompt ids, max new tokens) -> turn
@@ -188,7 +208,7 @@ def _reply_text(renderer: TurnRenderer, token_ids: Sequence[int]) -> str:
     ids = list(token_ids)
     if ids and renderer.eos_id is not None and ids[-1] == renderer.eos_id:
         ids = ids[:-1]
-    return renderer.tokenizer.decode(ids, skip_special_tokens=False)
+    return renderer.decode(ids)
 
 
 class ToolEnvironment(Environment):

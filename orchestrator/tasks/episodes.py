@@ -7,10 +7,11 @@ Either way the task is an `EpisodeTask`: rows as any row task draws them (the en
 `row(index)` and optional `__len__`, or `task.dataset`), and `run_episode(prompt, sample, ...)`
 in place of a score: the reward is the episode's.
 
-An environment's code runs off the run's event loop, in worker threads (each call on that
-thread's own event loop), every `reset` and `step` bounded by its `step_timeout_s`: a hung
-step ends its episode (`environment_timeout`) and the run goes on; Python cannot stop the
-thread, which is left to finish on its own.
+An environment's code runs off the run's event loop, on one environment thread's own event loop
+(`env_thread.py`; a plain `def` in that loop's thread pool), every `reset` and `step` bounded by
+its `step_timeout_s`: a step past it is cancelled there and its episode ends
+(`environment_timeout`); the run goes on. An async environment that declares `on_loop = True`
+(it never blocks) runs on the run's loop instead, bounded the same way.
 
 The chat template is checked at start: one that is not prefix-preserving is refused
 (`turns.TemplateError`, naming `task.chat_template`), before any engine starts.
@@ -18,20 +19,18 @@ The chat template is checked at start: one that is not prefix-preserving is refu
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import anyio
 
 from orchestrator.config import TaskConfig
 from orchestrator.errors import ConfigError
-from orchestrator.tasks.base import Prompt, call_maybe_async
+from orchestrator.tasks.base import Prompt
 from orchestrator.tasks.env import Environment, Episode, Sampler, run_episode
+from orchestrator.tasks.env_thread import EnvironmentThread
 from orchestrator.tasks.rows import RowTask
 from orchestrator.tasks.turns import TurnRenderer
-
-# Worker threads environments' calls share (each episode's calls run one at a time).
-ENVIRONMENT_THREADS = 16
-
 
 def is_environment(made) -> bool:
     """Whether a factory's product is a multi-turn environment (reset and step, duck-typed)."""
@@ -50,7 +49,7 @@ class EnvironmentEpisodes:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ConfigError(f"{where}.entrypoint", f"the environment's {name} must be a positive number, "
                                                          f"got {value!r}")
-        self._limiter = anyio.CapacityLimiter(ENVIRONMENT_THREADS)
+        self._thread: EnvironmentThread | None = None  # started on first use (a scoring copy never runs one)
 
     async def run_episode(self, row: dict, sample: Sampler, max_tokens_per_turn: int,
                           started: Callable[[Episode], None] | None = None, max_len: int | None = None) -> Episode:
@@ -58,9 +57,17 @@ class EnvironmentEpisodes:
                                  call=self._off_loop, started=started, max_len=max_len)
 
     async def _off_loop(self, fn, *args):
-        with anyio.fail_after(getattr(self.env, "step_timeout_s", 30.0)):
-            return await anyio.to_thread.run_sync(call_maybe_async, fn, *args, limiter=self._limiter,
-                                                  abandon_on_cancel=True)
+        timeout_s = getattr(self.env, "step_timeout_s", 30.0)
+        if getattr(self.env, "on_loop", False) and inspect.iscoroutinefunction(fn):
+            with anyio.fail_after(timeout_s):
+                return await fn(*args)
+        if self._thread is None:
+            self._thread = EnvironmentThread()
+        return await self._thread.call(timeout_s, fn, *args)
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.close()
 
 
 class EpisodeTask(RowTask):

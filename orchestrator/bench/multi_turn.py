@@ -1,0 +1,101 @@
+"""`multi_turn_overhead_ratio` of `inflight bench orchestrator` (issue #19): what the environment
+protocol costs per turn.
+
+The real `RunLoop` on the zero-latency fake engine and the instant fake trainer, twice in one
+run: (a) episodes of `TURNS` turns through the environment protocol (the environment's `step`
+in a worker thread, the chat template's delta rendered and tokenized per turn, each turn a
+request of `TURN_TOKENS` tokens to the episode's engine); (b) the same number of turns as
+independent single-turn rollouts of `TURN_TOKENS` tokens. The ratio is episodes/s over
+(single-turn rollouts/s / TURNS): 1.0 means a turn of an episode costs what a rollout costs
+(goal >= 0.8). `multi_turn_overhead_ratio` runs the environment off the run's loop (the
+default: its environment thread, one hop per reset and step); `..._on_loop` the same
+environment declaring `on_loop = True` (an async environment that never blocks).
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+
+import anyio
+
+from orchestrator.tasks.env import Environment, Episode
+
+TURNS = 4
+TURN_TOKENS = 500  # the orchestrator bench's rollout (TOKENS): a turn is a rollout
+
+
+class EchoEnvironment(Environment):
+    """Answers each turn with one short user message; reward 1.0 after the last turn."""
+
+    max_turns = TURNS
+    max_episode_tokens = 1 << 20
+    name = "bench-echo"
+
+    def row(self, index: int) -> dict:
+        return {"index": index}
+
+    async def reset(self, row: dict) -> list[dict]:
+        return [{"role": "user", "content": "Write digits."}]
+
+    async def step(self, episode: Episode) -> tuple[list[dict], float | None, bool]:
+        if episode.turns < self.max_turns:
+            return [{"role": "user", "content": "More."}], None, False
+        return [], 1.0, True
+
+
+def episode_task(model_dir: str):
+    from transformers import AutoTokenizer
+
+    from orchestrator.config import TaskConfig
+    from orchestrator.tasks.dataset import load_rows
+    from orchestrator.tasks.episodes import environment_task
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return environment_task(EchoEnvironment(), tokenizer, TaskConfig(entrypoint="bench:echo"), where="task",
+                            scan=True, load_rows=load_rows)
+
+
+async def episodes_rate(bench_run, task, concurrency: int, episodes: int) -> dict:
+    """Episodes/s of the real RunLoop with `task` (episodic) on the fake engine (`bench_run`:
+    orchestrator.bench.orchestrator.BenchRun, passed in: that module calls this one)."""
+    import msgspec
+
+    from orchestrator.loop import RunLoop
+
+    with tempfile.TemporaryDirectory(prefix="inflight-bench-mt-") as tmp:
+        run = bench_run(Path(tmp), concurrency, episodes, tokens=TURN_TOKENS)
+        run.task = task
+        run.config = msgspec.structs.replace(run.config, engine=msgspec.structs.replace(
+            run.config.engine, max_model_len=1 << 20))
+        return await _timed(run, RunLoop)
+
+
+async def _timed(run, loop_type) -> dict:
+    loop = run.loop = loop_type(run)
+    started = time.perf_counter()
+    with anyio.fail_after(600):
+        await loop.main(run.scheduler.start())
+    elapsed = time.perf_counter() - started
+    done = run.scheduler.done_steps * run.scheduler.batch_size
+    await run.recorder.flush()
+    run.recorder.close()
+    run.journal.close()
+    return {"rollouts": done, "seconds": elapsed, "rollouts_per_s": done / elapsed}
+
+
+async def multi_turn_overhead(bench_run, orchestrator_rate, model_dir: str, concurrency: int = 64,
+                              episodes: int = 1024) -> dict:
+    """`bench_run`, `orchestrator_rate`: orchestrator.bench.orchestrator's (its caller)."""
+    task = await anyio.to_thread.run_sync(episode_task, model_dir)
+    multi = await episodes_rate(bench_run, task, concurrency, episodes)
+    task.runner.close()
+    task.runner.env.on_loop = True
+    on_loop = await episodes_rate(bench_run, task, concurrency, episodes)
+    single = await orchestrator_rate(concurrency, episodes * TURNS, 0.0, pool="inline", tokens=TURN_TOKENS)
+    per_episode = single["rollouts_per_s"] / TURNS
+    return {"multi_turn_turns": TURNS, "multi_turn_turn_tokens": TURN_TOKENS, "multi_turn_episodes": multi,
+            "multi_turn_episodes_on_loop": on_loop, "multi_turn_single_turn_rollouts": single,
+            "multi_turn_overhead_ratio": multi["rollouts_per_s"] / per_episode,
+            "multi_turn_overhead_ratio_on_loop": on_loop["rollouts_per_s"] / per_episode}
