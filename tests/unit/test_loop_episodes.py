@@ -1,0 +1,141 @@
+"""Episodes through the run loop (`orchestrator/loop_episodes.py`) with the benchmark's
+zero-latency fake engine and instant fake trainer, and injected faults: every dispatched episode
+still ends in exactly one terminal record, errored with the named kind when its environment or a
+turn fails, keeping the turns it had. Real replay log, journal, scheduler, fleet and run loop."""
+
+from __future__ import annotations
+
+import anyio
+import numpy as np
+import pytest
+
+from orchestrator.bench.multi_turn import TURNS, EchoEnvironment, episode_task
+from orchestrator.bench.orchestrator import BenchRun
+from orchestrator.errors import EngineDeadError
+from orchestrator.fleet import Fleet
+from tests.unit.test_loop_faults import check, drive
+
+MODEL = "models/tiny-rl"
+
+
+class Failing(EchoEnvironment):
+    """EchoEnvironment with one fault: `how` on turn `at`."""
+
+    def __init__(self, how: str, at: int = 2) -> None:
+        self.how, self.at = how, at
+        self.step_timeout_s = 0.2 if how == "hang" else 30.0
+
+    async def step(self, episode):
+        if episode.turns == self.at:
+            if self.how == "raise":
+                raise RuntimeError("the environment broke")
+            if self.how == "hang":
+                await anyio.sleep(60)
+            if self.how == "no_reward":
+                return [], None, True
+        return await super().step(episode)
+
+
+def episodic_run(tmp_path, env=None, episodes: int = 64, engines=None):
+    import msgspec
+
+    from orchestrator.loop import RunLoop
+
+    run = BenchRun(tmp_path, 16, episodes, tokens=32)
+    task = episode_task(MODEL)
+    if env is not None:
+        task.runner.env = env
+    run.task = task
+    run.config = msgspec.structs.replace(run.config, engine=msgspec.structs.replace(
+        run.config.engine, max_model_len=1 << 20))
+    if engines is not None:
+        run.fleet = Fleet(engines)
+    run.loop = RunLoop(run)
+    return run
+
+
+@pytest.mark.timeout(180)
+async def test_episodes_complete_with_their_environment_spans_and_nan_logprobs(tmp_path):
+    run = episodic_run(tmp_path)
+    await drive(run)
+    _records, rollouts = check(tmp_path)
+    assert run.scheduler.done_steps == run.max_steps
+    completed = [r for r in rollouts if r.status_name == "completed"]
+    assert completed and all(r.turns == TURNS and r.episode_end == "done" for r in completed)
+    for r in completed:
+        assert len(r.environment_ranges()) == TURNS - 1
+        assert np.isnan(r.logprobs()[~r.sampled_mask()]).all()
+        assert (r.logprobs()[r.sampled_mask()] == -1.0).all()  # what the fake engine sampled
+        assert r.sampled_mask().sum() == TURNS * 32
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("how, kind", [("raise", "environment_error"), ("hang", "environment_timeout"),
+                                       ("no_reward", "no_reward")])
+async def test_an_environment_fault_errors_its_episode_keeping_the_turns_it_had(tmp_path, how, kind):
+    run = episodic_run(tmp_path, Failing(how), episodes=32)
+    with anyio.fail_after(60):
+        await drive(run, stop_after_s=3.0)
+    _records, rollouts = check(tmp_path)
+    errored = [r for r in rollouts if r.status_name == "errored"]
+    assert errored and {r.status.kind for r in errored} == {kind}
+    assert all(r.sampled_mask().sum() == 2 * 32 for r in errored)  # the two turns before the fault
+    if how == "raise":
+        assert all("the environment broke" in r.status.message for r in errored)
+
+
+def reporting_engine(engine_id: str, prompt_offset: int = 0, die_on: int | None = None):
+    """The fake engine, reporting the prompt it ran (shifted by `prompt_offset`) and dying on
+    its `die_on`-th request."""
+    from orchestrator.bench.orchestrator import fake_engine
+
+    engine = fake_engine(engine_id, 32)
+    inner = engine.generate
+    count = [0]
+
+    async def generate(request_id, prompt_token_ids, sampling, cache_salt=None, final_only=False):
+        count[0] += 1
+        if die_on is not None and count[0] >= die_on:
+            raise EngineDeadError(engine_id, "injected death")
+        async for chunk in inner(request_id, prompt_token_ids, sampling, cache_salt, final_only):
+            if chunk.finished:
+                chunk.prompt_token_ids = [t + prompt_offset for t in prompt_token_ids]
+            yield chunk
+
+    engine.generate = generate
+    return engine
+
+
+@pytest.mark.timeout(180)
+async def test_a_turn_whose_engine_ran_another_prompt_errors_prompt_mismatch(tmp_path):
+    run = episodic_run(tmp_path, episodes=32, engines=[reporting_engine("fake-0", prompt_offset=1)])
+    await drive(run, stop_after_s=3.0)
+    _records, rollouts = check(tmp_path)
+    errored = [r for r in rollouts if r.status_name == "errored"]
+    assert errored and {r.status.kind for r in errored} == {"prompt_mismatch"}
+
+
+@pytest.mark.timeout(180)
+async def test_the_engine_reporting_the_prompt_it_ran_passes_every_turn(tmp_path):
+    run = episodic_run(tmp_path, episodes=32, engines=[reporting_engine("fake-0")])
+    await drive(run)
+    _records, rollouts = check(tmp_path)
+    assert run.scheduler.done_steps == run.max_steps
+    assert all(r.status_name == "completed" for r in rollouts)
+
+
+@pytest.mark.timeout(180)
+async def test_a_stop_between_turns_ends_each_episode_once_with_the_turns_it_had(tmp_path):
+    class Slow(EchoEnvironment):
+        async def step(self, episode):
+            await anyio.sleep(0.05)
+            return await super().step(episode)
+
+    run = episodic_run(tmp_path, Slow(), episodes=64)
+    run.config = __import__("msgspec").structs.replace(run.config, run=__import__("msgspec").structs.replace(
+        run.config.run, shutdown_grace_s=0.01))
+    await drive(run, stop_after_s=0.3)
+    _records, rollouts = check(tmp_path)
+    dropped = [r for r in rollouts if r.status_name == "dropped"]
+    assert dropped
+    assert all(r.sampled_mask().sum() % 32 == 0 for r in dropped if r.num_completion_tokens)
