@@ -32,6 +32,15 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def rl_model(tmp_path_factory) -> Path:
+    """The tiny-rl preset (what `inflight run` trains by default), built once per session: every
+    `inflight run` test only reads it (a run never writes into its model directory)."""
+    from orchestrator.model import ensure_model
+
+    return ensure_model(tmp_path_factory.mktemp("models") / "tiny-rl", preset="tiny-rl", seed=0)
+
+
+@pytest.fixture(scope="session")
 def engine_log_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("engine-logs")
 

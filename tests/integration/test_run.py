@@ -28,13 +28,6 @@ pytestmark = [pytest.mark.engine, pytest.mark.slow]
 INFLIGHT = [sys.executable, "-m", "orchestrator.cli"]
 
 
-@pytest.fixture(scope="session")
-def rl_model(tmp_path_factory) -> Path:
-    from orchestrator.model import ensure_model
-
-    return ensure_model(tmp_path_factory.mktemp("models") / "tiny-rl", preset="tiny-rl", seed=0)
-
-
 def write_config(path: Path, model: Path, extra: str = "") -> Path:
     path.write_text(f"""
 [engine]

@@ -18,13 +18,6 @@ from tests.integration.test_run import INFLIGHT, check_log_invariants, finish, k
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 
-@pytest.fixture(scope="module")
-def rl_model(tmp_path_factory):
-    from orchestrator.model import ensure_model
-
-    return ensure_model(tmp_path_factory.mktemp("models") / "tiny-rl", preset="tiny-rl", seed=0)
-
-
 def claims(records) -> tuple[dict[int, list[int]], dict[int, list[str]]]:
     consumed: dict[int, list[int]] = {}
     discarded: dict[int, list[str]] = {}

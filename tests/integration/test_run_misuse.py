@@ -21,13 +21,6 @@ INFLIGHT = [sys.executable, "-m", "orchestrator.cli"]
 SWAP_EXTENSION = "transports.swap.SwapWorkerExtension"
 
 
-@pytest.fixture(scope="module")
-def rl_model(tmp_path_factory) -> Path:
-    from orchestrator.model import ensure_model
-
-    return ensure_model(tmp_path_factory.mktemp("models") / "tiny-rl", preset="tiny-rl", seed=0)
-
-
 def run(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
     return subprocess.run([*INFLIGHT, "run", *args], capture_output=True, text=True, timeout=timeout)
 

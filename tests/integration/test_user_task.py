@@ -96,13 +96,6 @@ def run_in(directory: Path, args: list[str], log: Path):
             os.environ["PYTEST_CURRENT_TEST"] = test
 
 
-@pytest.fixture(scope="module")
-def rl_model(tmp_path_factory) -> Path:
-    from orchestrator.model import ensure_model
-
-    return ensure_model(tmp_path_factory.mktemp("models") / "tiny-rl", preset="tiny-rl", seed=0)
-
-
 @pytest.mark.timeout(1500)
 def test_a_user_task_package_learns_records_its_faults_evaluates_and_tracks(tmp_path, rl_model):
     config = package(tmp_path, rl_model, faults=True,
