@@ -3,9 +3,9 @@ signals and sockets. Each test runs the command as a user would, in its own proc
 
 What is checked is what the issue asks the product to show: the policy learns the digits task
 with the async pipeline in the loop (staleness > 0 observed) and `inflight stats` reports the
-staleness the run really had; sync mode has staleness 0; a SIGKILL then --resume keeps every
-invariant; an engine killed mid-run errors its rollouts and the other engine carries on; live
-/stats and /metrics agree with the log.
+staleness the run really had (sync mode's staleness 0: on the sync-mode runs of
+test_any_model); a SIGKILL then --resume keeps every invariant; an engine killed mid-run errors
+its rollouts and the other engine carries on; live /stats and /metrics agree with the log.
 """
 
 from __future__ import annotations
@@ -180,31 +180,6 @@ def test_the_default_run_learns_digits_with_async_staleness_and_live_stats_match
     # the run directory holds what the docs say
     for name in ("config.json", "orchestrator.jsonl", "trainer.log", "weights", "trainer", "tensorboard"):
         assert (run_dir / name).exists(), name
-
-
-@pytest.mark.timeout(900)
-def test_sync_mode_reports_staleness_zero(tmp_path, rl_model):
-    run_dir = tmp_path / "run"
-    config = write_config(tmp_path / "run.toml", rl_model, '[scheduler]\nmode = "sync"\n')
-    log = tmp_path / "out.log"
-    proc = start([str(config), "--run-dir", str(run_dir), "--max-steps", "6"], log)
-    try:
-        finish(proc, log)
-    finally:
-        kill_group(proc)
-    check_log_invariants(run_dir, 6)
-    stats = stats_json(run_dir)
-    assert stats["staleness"]["max"] == 0 and stats["staleness"]["count"] == 6 * 64
-    # start-up is reported by phase, and the phases fit the order they ran in
-    events = [json.loads(line) for line in (run_dir / "orchestrator.jsonl").read_text().splitlines()]
-    startup = next(e for e in events if e["event"] == "run.startup")
-    first_batch = next(e for e in events if e["event"] == "run.first_batch")
-    for phase in ("process_s", "model_s", "task_s", "trainer_s", "engines_s", "scoring_s", "fleet_s"):
-        assert startup[phase] >= 0, phase
-    assert startup["to_first_rollout_s"] >= startup["engines_s"] + startup["fleet_s"]
-    assert startup["to_first_rollout_s"] >= startup["trainer_s"]
-    assert first_batch["step"] == 1 and first_batch["seconds"] > startup["to_first_rollout_s"]
-    assert "  startup     first rollout at" in log.read_text()
 
 
 @pytest.mark.timeout(1200)
