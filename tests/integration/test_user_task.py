@@ -1,7 +1,8 @@
 """A user's own task through `inflight run` (real engine, real trainer, a task package in a
 temporary directory that this project knows nothing of): it learns, its faults are recorded and
 the run goes on, held-out evaluation runs at one version per record, W&B gets the field's names,
-and --resume after SIGKILL continues at the next dataset row.
+and --resume after SIGKILL continues at the next dataset row (on the run the resume tests share,
+of this module's package: tests/integration/conftest.py).
 
 The learnable toy: docs/tasks.md's `digit_share` reward on "Write digits: ..." prompts from a JSONL
 dataset (the share of the completion's non-space characters that are digits): the tiny-rl model
@@ -13,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
 import sys
 from pathlib import Path
 
@@ -22,7 +22,7 @@ import pytest
 from replay.log import read_records
 from replay.records import ConsumptionRecord, EvalRecord, RolloutRecord
 from tests.doc_snippets import write_snippets
-from tests.integration.test_run import finish, kill_group, start, stats_json, wait_for
+from tests.integration.test_run import finish, kill_group, start, stats_json
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -170,31 +170,14 @@ max_prompts = 8
 
 
 @pytest.mark.timeout(1500)
-def test_resume_after_sigkill_continues_at_the_next_dataset_row(tmp_path, rl_model):
-    config = package(tmp_path, rl_model, extra="[transport]\nkeep_last = 32\n")
-    run_dir = tmp_path / "run"
-    log = tmp_path / "out.log"
-    proc = run_in(tmp_path, [str(config), "--run-dir", str(run_dir), "--max-steps", "8"], log)
-    try:
-        def steps_done() -> int:
-            try:
-                return sum(1 for r in read_records(run_dir) if isinstance(r, ConsumptionRecord))
-            except Exception:  # noqa: BLE001 - the log is being written
-                return 0
-
-        wait_for(lambda: steps_done() >= 3, 900, proc, log, "three steps")
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(30)
-    finally:
-        kill_group(proc)
-    before = list(read_records(run_dir))
-    proc = run_in(tmp_path, ["--run-dir", str(run_dir), "--resume", "--max-steps", "8"], tmp_path / "resume.log")
-    try:
-        finish(proc, tmp_path / "resume.log")
-    finally:
-        kill_group(proc)
-    records = list(read_records(run_dir))
+def test_resume_after_sigkill_continues_at_the_next_dataset_row(crash_resume_run, rl_model):
+    """On the shared run of tests/integration/conftest.py: this module's package, SIGKILLed as a
+    process group after 6 steps, then resumed (twice: the second part's trainer dies after a
+    checkpoint, the exactly-once test's part) to its step count."""
+    run = crash_resume_run
+    before, records = run.killed, run.records
     assert len(records) > len(before)
+    tmp_path, config = run.package_dir, run.config
     # Each group is one prompt index; index g names row order[g] of the epoch (seeded shuffle).
     sys.path.insert(0, str(tmp_path))
     cwd = os.getcwd()
