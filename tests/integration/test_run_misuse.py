@@ -1,54 +1,16 @@
-"""`inflight run` used as a new user would, with real engines: a resume of a finished run says so
-and starts nothing, `--max-steps` extends it; an attached server left at another version by an
-earlier client is reset to the run's version 0 (weights and label), and one that serves another
-model is refused, naming `engine.url`."""
+"""`inflight run` used as a new user would, with real engines: an attached server left at another
+version by an earlier client is reset to the run's version 0 (weights and label), and one that
+serves another model is refused, naming `engine.url`. (A resume of a finished run says so and
+starts nothing, `--max-steps` extends it: test_lora_run's resume test, on its finished run.)"""
 
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from replay.log import read_records
-from replay.records import ConsumptionRecord, RolloutRecord
-
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
-INFLIGHT = [sys.executable, "-m", "orchestrator.cli"]
 SWAP_EXTENSION = "transports.swap.SwapWorkerExtension"
-
-
-def run(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
-    return subprocess.run([*INFLIGHT, "run", *args], capture_output=True, text=True, timeout=timeout)
-
-
-def started_engines(run_dir: Path) -> int:
-    lines = (run_dir / "orchestrator.jsonl").read_text().splitlines()
-    return sum(json.loads(line).get("event") == "engine.starting" for line in lines if line.startswith("{"))
-
-
-@pytest.mark.timeout(1500)
-def test_resume_of_a_finished_run_exits_0_at_once_and_max_steps_extends_it(tmp_path, replay_run):
-    # The finished run: the session's 5-step run (tests/integration/conftest.py), copied, so that
-    # it stays as the replay tests read it.
-    run_dir = tmp_path / "run"
-    shutil.copytree(replay_run, run_dir)
-    assert started_engines(run_dir) == 1
-    done = run("--run-dir", str(run_dir), "--resume", "--max-steps", "5", timeout=120)
-    assert done.returncode == 0, done.stderr[-4000:]
-    assert "already reached step 5" in done.stdout
-    assert started_engines(run_dir) == 1  # nothing started
-    more = run("--run-dir", str(run_dir), "--resume", "--max-steps", "6")
-    assert more.returncode == 0, more.stderr[-4000:]
-    records = list(read_records(run_dir))
-    steps = [r.step for r in records if isinstance(r, ConsumptionRecord)]
-    assert steps == [1, 2, 3, 4, 5, 6]
-    consumed = [rid for r in records if isinstance(r, ConsumptionRecord) for rid in r.rollout_ids]
-    rollouts = {r.rollout_id: r for r in records if isinstance(r, RolloutRecord)}
-    assert len(consumed) == len(set(consumed)) and all(rollouts[rid].status_name == "completed" for rid in consumed)
 
 
 @pytest.mark.timeout(900)
