@@ -32,6 +32,15 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def rl_model(tmp_path_factory) -> Path:
+    """The tiny-rl preset (what `inflight run` trains by default), built once per session: every
+    `inflight run` test only reads it (a run never writes into its model directory)."""
+    from orchestrator.model import ensure_model
+
+    return ensure_model(tmp_path_factory.mktemp("models") / "tiny-rl", preset="tiny-rl", seed=0)
+
+
+@pytest.fixture(scope="session")
 def engine_log_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("engine-logs")
 
@@ -54,7 +63,10 @@ async def server_engine(tiny_model_dir, engine_log_dir):
 
     # A control call can wait behind a long token stream on the shared core (one abort took
     # over 60 s in CI): the tests check what the calls do, not how fast, so they wait longer.
-    engine = ServerEngine(EngineConfig(model=str(tiny_model_dir), kind="server", control_timeout_s=300.0),
+    # With the swap extension, as every `inflight run` engine has (test_run_misuse loads other
+    # weights into it and resets it).
+    engine = ServerEngine(EngineConfig(model=str(tiny_model_dir), kind="server", control_timeout_s=300.0,
+                                       worker_extension_cls="transports.swap.SwapWorkerExtension"),
                           "server-0", log_dir=engine_log_dir)
     await engine.start()
     yield engine

@@ -4,10 +4,11 @@ project in them): a dense Qwen2 with tied embeddings and a Llama, neither with a
 both carrying the tiny model's tokenizer (`AutoTokenizer.save_pretrained`).
 
 Per architecture (one module-scoped run, export and vLLM engine each): the run trains three
-steps in sync mode (so versions 1 and 2 are served and sampled from); `--version latest`
-exports version 3 with the run's bytes; the newest version that sampled whole rollouts, exported
-too, loads in vLLM and in transformers, and both give the log-probabilities the run recorded
-for those rollouts.
+steps in sync mode (so versions 1 and 2 are served and sampled from; staleness 0 throughout,
+which `inflight stats` reports, and start-up reported by phase); `--version latest` exports
+version 3 with the run's bytes; the newest version that sampled whole rollouts, exported too,
+loads in vLLM and in transformers, and both give the log-probabilities the run recorded for
+those rollouts.
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ class Trained(msgspec.Struct):
     served: Path  # `--version SERVED`
     served_version: int
     records: list
+    stdout: str  # the run's own output (its summary)
 
 
 def whole_rollouts(records, version: int) -> list[RolloutRecord]:
@@ -110,7 +112,7 @@ enabled = false
         assert out.returncode == 0, out.stderr[-3000:]
         exported[name] = root / name
     return Trained(request.param, model_dir, run_dir, exported["latest"], exported["served"], served_version,
-                   records)
+                   records, done.stdout)
 
 
 @pytest.fixture(scope="module")
@@ -137,6 +139,28 @@ def test_a_save_pretrained_model_trains_through_inflight_run(trained):
     # Every version the run published still holds every tensor of the model, in fp32.
     published = sorted(p.name for p in (trained.run_dir / "weights").glob("v*"))
     assert published == [f"v{v:08d}" for v in range(1, STEPS + 1)]
+
+
+def test_sync_mode_reports_staleness_zero_and_its_startup_by_phase(trained):
+    """Sync mode (any model: the run here is one): every sample is consumed by the step right after
+    the version that sampled it, and `inflight stats` says so; start-up is reported by phase, and
+    the phases fit the order they ran in."""
+    import json
+
+    from tests.integration.test_run import check_log_invariants, stats_json
+
+    check_log_invariants(trained.run_dir, STEPS)
+    stats = stats_json(trained.run_dir)
+    assert stats["staleness"]["max"] == 0 and stats["staleness"]["count"] == STEPS * 4 * 2  # group_size * batch_groups
+    events = [json.loads(line) for line in (trained.run_dir / "orchestrator.jsonl").read_text().splitlines()]
+    startup = next(e for e in events if e["event"] == "run.startup")
+    first_batch = next(e for e in events if e["event"] == "run.first_batch")
+    for phase in ("process_s", "model_s", "task_s", "trainer_s", "engines_s", "scoring_s", "fleet_s"):
+        assert startup[phase] >= 0, phase
+    assert startup["to_first_rollout_s"] >= startup["engines_s"] + startup["fleet_s"]
+    assert startup["to_first_rollout_s"] >= startup["trainer_s"]
+    assert first_batch["step"] == 1 and first_batch["seconds"] > startup["to_first_rollout_s"]
+    assert "  startup     first rollout at" in trained.stdout
 
 
 def test_latest_export_is_the_runs_newest_version_bit_for_bit(trained):

@@ -2,8 +2,10 @@
 the frozen tiny-lora model, real vLLM engine, real trainer process. What issue #20 asks it to
 show: the reward reaches 0.5 within 60 steps (seed 0); no activation pauses an engine; every
 rollout has exactly one version, and its logprobs equal a transformers forward of base + that
-version's adapter (checked with PEFT here and by `inflight replay --verify-spans`); --resume
-continues; export-model writes the adapter, and with --merge the merged model."""
+version's adapter (checked with PEFT here and by `inflight replay --verify-spans`); a resume of
+the finished run says so and starts nothing, `--max-steps` extends it (the misuse check of
+test_run_misuse, on the run that is here anyway); export-model writes the adapter, and with --merge
+the merged model."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from replay.log import read_records
-from replay.records import ActivationRecord, RolloutRecord
+from replay.records import ActivationRecord, ConsumptionRecord, RolloutRecord
 from tests.integration.lora_helpers import reference_logprobs
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(1200)]
@@ -47,6 +49,11 @@ def lora_run(tmp_path_factory) -> tuple[Path, Path]:
 
 def records(run_dir: Path, kind):
     return [r for r in read_records(run_dir) if isinstance(r, kind)]
+
+
+def started_engines(run_dir: Path) -> int:
+    lines = (run_dir / "orchestrator.jsonl").read_text().splitlines()
+    return sum(json.loads(line).get("event") == "engine.starting" for line in lines if line.startswith("{"))
 
 
 def test_the_digits_task_learns_with_a_lora_adapter_and_no_activation_pauses(lora_run):
@@ -89,8 +96,20 @@ def test_every_retained_version_samples_as_base_plus_its_adapter(lora_run):
 
 def test_resume_continues_and_export_writes_the_adapter_and_the_merged_model(lora_run, tmp_path):
     run_dir, model = lora_run
+    # A resume of the finished run exits 0 at once, says so and starts nothing (a user's slip)...
+    assert started_engines(run_dir) == 1
+    done = inflight("run", "--run-dir", str(run_dir), "--resume", "--max-steps", "30", timeout=120)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "already reached step 30" in done.stdout
+    assert started_engines(run_dir) == 1  # nothing started
+    # ... and --max-steps extends it.
     resumed = inflight("run", "--run-dir", str(run_dir), "--resume", "--max-steps", "32")
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    steps = records(run_dir, ConsumptionRecord)
+    assert [c.step for c in steps] == list(range(1, 33))
+    consumed = [rid for c in steps for rid in c.rollout_ids]
+    rollouts = {r.rollout_id: r for r in records(run_dir, RolloutRecord)}
+    assert len(consumed) == len(set(consumed)) and all(rollouts[rid].status_name == "completed" for rid in consumed)
     stats = json.loads(inflight("stats", str(run_dir), "--json").stdout)
     assert max(s["step"] for s in stats["per_step"]) == 32 and stats["invalid_consumptions"] == 0
     adapter = inflight("export-model", str(run_dir), "--version", "latest", str(tmp_path / "adapter"))

@@ -29,11 +29,9 @@ INFLIGHT = [sys.executable, "-m", "orchestrator.cli"]
 
 
 @pytest.fixture(scope="session")
-def replay_run(tmp_path_factory) -> Path:
-    from orchestrator.model import ensure_model
-
+def replay_run(tmp_path_factory, rl_model) -> Path:
     root = tmp_path_factory.mktemp("replay-run")
-    model = ensure_model(root / "tiny-rl", preset="tiny-rl", seed=0)
+    model = rl_model
     config = root / "config.toml"
     config.write_text(f"""
 [engine]

@@ -1,76 +1,24 @@
-"""`inflight run` used as a new user would, with real engines: a resume of a finished run says so
-and starts nothing, `--max-steps` extends it; an attached server left at another version by an
-earlier client is reset to the run's version 0 (weights and label), and one that serves another
-model is refused, naming `engine.url`."""
+"""`inflight run` used as a new user would, with real engines: an attached server left at another
+version by an earlier client is reset to the run's version 0 (weights and label), and one that
+serves another model is refused, naming `engine.url`. (A resume of a finished run says so and
+starts nothing, `--max-steps` extends it: test_lora_run's resume test, on its finished run.)"""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import pytest
 
-from replay.log import read_records
-from replay.records import ConsumptionRecord, RolloutRecord
-
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
-INFLIGHT = [sys.executable, "-m", "orchestrator.cli"]
 SWAP_EXTENSION = "transports.swap.SwapWorkerExtension"
-
-
-@pytest.fixture(scope="module")
-def rl_model(tmp_path_factory) -> Path:
-    from orchestrator.model import ensure_model
-
-    return ensure_model(tmp_path_factory.mktemp("models") / "tiny-rl", preset="tiny-rl", seed=0)
-
-
-def run(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
-    return subprocess.run([*INFLIGHT, "run", *args], capture_output=True, text=True, timeout=timeout)
-
-
-def started_engines(run_dir: Path) -> int:
-    lines = (run_dir / "orchestrator.jsonl").read_text().splitlines()
-    return sum(json.loads(line).get("event") == "engine.starting" for line in lines if line.startswith("{"))
-
-
-@pytest.mark.timeout(1500)
-def test_resume_of_a_finished_run_exits_0_at_once_and_max_steps_extends_it(tmp_path, rl_model):
-    config = tmp_path / "run.toml"
-    config.write_text(textwrap.dedent(f"""
-        [engine]
-        model = "{rl_model}"
-        [scheduler]
-        group_size = 4
-        batch_groups = 4
-        [run]
-        progress = "plain"
-        tensorboard = false
-    """))
-    run_dir = tmp_path / "run"
-    first = run(str(config), "--run-dir", str(run_dir), "--max-steps", "2")
-    assert first.returncode == 0, first.stderr[-4000:]
-    assert started_engines(run_dir) == 1
-    done = run("--run-dir", str(run_dir), "--resume", "--max-steps", "2", timeout=120)
-    assert done.returncode == 0, done.stderr[-4000:]
-    assert "already reached step 2" in done.stdout
-    assert started_engines(run_dir) == 1  # nothing started
-    more = run("--run-dir", str(run_dir), "--resume", "--max-steps", "3")
-    assert more.returncode == 0, more.stderr[-4000:]
-    records = list(read_records(run_dir))
-    steps = [r.step for r in records if isinstance(r, ConsumptionRecord)]
-    assert steps == [1, 2, 3]
-    consumed = [rid for r in records if isinstance(r, ConsumptionRecord) for rid in r.rollout_ids]
-    rollouts = {r.rollout_id: r for r in records if isinstance(r, RolloutRecord)}
-    assert len(consumed) == len(set(consumed)) and all(rollouts[rid].status_name == "completed" for rid in consumed)
 
 
 @pytest.mark.timeout(900)
 async def test_an_attached_server_is_reset_to_version_0_and_one_of_another_model_is_refused(
-        tiny_model_dir, engine_log_dir, tmp_path):
+        server_engine, tiny_model_dir, tmp_path):
+    """The "earlier client" is the session's server (tests/conftest.py, started with the swap
+    extension as every `inflight run` engine is); the test leaves it as it found it, at the
+    base weights and label 0 (its last assertion)."""
     from orchestrator.config import EngineConfig
     from orchestrator.engines.base import SamplingSettings
     from orchestrator.engines.server import ServerEngine
@@ -80,36 +28,32 @@ async def test_an_attached_server_is_reset_to_version_0_and_one_of_another_model
     other, _ = build_model(tmp_path / "other", preset="tiny", seed=1)  # same shapes, other weights
     greedy = SamplingSettings(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompt = [5, 17, 42, 7, 99]
-    server = ServerEngine(EngineConfig(model=str(tiny_model_dir), kind="server", worker_extension_cls=SWAP_EXTENSION),
-                          "reset-owner", log_dir=engine_log_dir)
-    await server.start()
-    try:
-        base = await server.complete("base", prompt, greedy)
-        assert set(base.versions) == {0}
-        # An earlier run left it at its version 7: other weights, label 7.
-        await server.pause("keep")
-        await server.collective_rpc("swap_load_dir", (json.dumps({"path": str(other)}),))
-        await server.reset_prefix_cache()
-        await server.set_weight_version(7)
-        await server.resume()
-        left = await server.complete("left", prompt, greedy)
-        assert set(left.versions) == {7} and left.token_ids != base.token_ids  # the perturbation shows
+    server = server_engine
+    assert server.config.worker_extension_cls == SWAP_EXTENSION
+    base = await server.complete("base", prompt, greedy)
+    assert set(base.versions) == {0}
+    # An earlier run left it at its version 7: other weights, label 7.
+    await server.pause("keep")
+    await server.collective_rpc("swap_load_dir", (json.dumps({"path": str(other)}),))
+    await server.reset_prefix_cache()
+    await server.set_weight_version(7)
+    await server.resume()
+    left = await server.complete("left", prompt, greedy)
+    assert set(left.versions) == {7} and left.token_ids != base.token_ids  # the perturbation shows
 
-        attached = ServerEngine(EngineConfig(model=str(tiny_model_dir), kind="server", url=server.url,
-                                             worker_extension_cls=SWAP_EXTENSION), "attached")
-        await attached.start()
-        reset = await attached.complete("reset", prompt, greedy)
-        assert reset.token_ids == base.token_ids and set(reset.versions) == {0}
-        await attached.shutdown()
+    attached = ServerEngine(EngineConfig(model=str(tiny_model_dir), kind="server", url=server.url,
+                                         worker_extension_cls=SWAP_EXTENSION), "attached")
+    await attached.start()
+    reset = await attached.complete("reset", prompt, greedy)
+    assert reset.token_ids == base.token_ids and set(reset.versions) == {0}
+    await attached.shutdown()
 
-        wrong = ServerEngine(EngineConfig(model=str(other), kind="server", url=server.url,
-                                          worker_extension_cls=SWAP_EXTENSION), "wrong-model")
-        with pytest.raises(ConfigError) as refused:
-            await wrong.start()
-        assert refused.value.field == "engine.url" and str(other) in str(refused.value)
-        await wrong.shutdown()
-        assert await server.healthy()  # refusing it left the server serving, untouched
-        again = await server.complete("again", prompt, greedy)
-        assert again.token_ids == base.token_ids and set(again.versions) == {0}
-    finally:
-        await server.shutdown()
+    wrong = ServerEngine(EngineConfig(model=str(other), kind="server", url=server.url,
+                                      worker_extension_cls=SWAP_EXTENSION), "wrong-model")
+    with pytest.raises(ConfigError) as refused:
+        await wrong.start()
+    assert refused.value.field == "engine.url" and str(other) in str(refused.value)
+    await wrong.shutdown()
+    assert await server.healthy()  # refusing it left the server serving, untouched
+    again = await server.complete("again", prompt, greedy)
+    assert again.token_ids == base.token_ids and set(again.versions) == {0}

@@ -35,11 +35,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def rl_model_dir(tmp_path_factory) -> Path:
-    from orchestrator.model import build_model
-
-    out, _ = build_model(tmp_path_factory.mktemp("models") / "tiny-rl", preset="tiny-rl", seed=0)
-    return out
+def rl_model_dir(rl_model) -> Path:
+    return rl_model  # the session's tiny-rl (tests/conftest.py)
 
 
 def _samples(model_dir: Path, step: int, groups: int = 2, group_size: int = 4) -> list[Sample]:

@@ -150,13 +150,6 @@ def test_a_child_started_with_die_with_parent_dies_with_it_without_the_watchdog(
 
 
 # -- the real command ---------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def rl_model(tmp_path_factory) -> Path:
-    from orchestrator.model import ensure_model
-
-    return ensure_model(tmp_path_factory.mktemp("models") / "tiny-rl", preset="tiny-rl", seed=0)
-
-
 def write_config(tmp_path: Path, model: Path, extra: str = "") -> Path:
     path = tmp_path / "run.toml"
     path.write_text(textwrap.dedent(f"""

@@ -12,11 +12,8 @@ from tests.reference import reference_logprobs
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    from orchestrator.model import build_model
-
-    out, _ = build_model(tmp_path_factory.mktemp("models") / "tiny", preset="tiny", seed=0)
-    return out
+def model_dir(tiny_model_dir) -> Path:
+    return tiny_model_dir  # the session's tiny model (tests/conftest.py), read only
 
 
 def test_the_references_samples_carry_their_generating_logprobs_and_end_at_the_first_eos(model_dir):

@@ -92,13 +92,11 @@ def one_thread():
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory, one_thread):
+def world(tmp_path_factory, one_thread, rl_model):
     from transformers import AutoModelForCausalLM
 
-    from orchestrator.model import build_model
-
     root = tmp_path_factory.mktemp("replay-analysis")
-    base, _ = build_model(root / "tiny-rl", preset="tiny-rl", seed=0)
+    base = rl_model  # the session's tiny-rl (tests/conftest.py), read only
     run_dir = root / "run"
     gen = torch.Generator().manual_seed(1)
     base_state = _load_dir(base)

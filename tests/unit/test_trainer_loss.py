@@ -140,13 +140,11 @@ def test_completion_logprobs_are_teacher_forced_on_the_completion_tokens_only():
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_tis_learns_the_digits_task_from_samples_two_versions_old(tmp_path):
+def test_tis_learns_the_digits_task_from_samples_two_versions_old(rl_model):
     """A plain GRPO loop (no engine, no processes) on a fresh tiny-rl model: 8 prompts x 8
     samples x 16 tokens at temperature 1, sampled by the policy 2 steps old, trained with the
     trainer's own `train_step`. Measured here: mean reward ~0.5 by step 19, ~0.98 by step 30."""
-    from orchestrator.model import build_model
-
-    model_dir, _ = build_model(tmp_path / "tiny-rl", preset="tiny-rl", seed=0)
+    model_dir = rl_model  # the session's tiny-rl (tests/conftest.py): read, never written
     torch.manual_seed(0)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the budget is one core; restored below for the tests that follow

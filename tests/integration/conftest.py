@@ -1,0 +1,94 @@
+"""Session fixtures of the integration tests that cost an `inflight run`."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+
+
+class CrashResumeRun(NamedTuple):
+    """What `crash_resume_run` left: its directories, and the log as it was after each crash."""
+
+    package_dir: Path  # the user's package, the runs' working directory
+    config: Path
+    run_dir: Path
+    max_steps: int
+    killed: list  # the records after the SIGKILL
+    published_at_kill: dict[str, str]  # every complete version on disk then: name -> digest
+    crash_step: int  # the step after whose checkpoint the resumed run's trainer died
+    crash_code: int
+    crash_output: str
+    crashed: list  # the records after the trainer's death
+    published_at_crash: dict[str, str]
+    records: list  # the records at the end
+
+
+@pytest.fixture(scope="session")
+def crash_resume_run(tmp_path_factory, rl_model) -> CrashResumeRun:
+    """One `inflight run` of a user's dataset task (test_user_task's package) that crashes twice
+    and ends at its step count, shared by the resume tests of test_run (every invariant after a
+    SIGKILL), test_user_task (the next dataset row) and test_run_exactly_once (a trainer dead
+    after its checkpoint). One run instead of three: each costs the start-up of an engine and a
+    trainer twice; the steps themselves are cheap.
+
+    1. The run, SIGKILLed as a process group (orchestrator, trainer and engine processes at once)
+       once it consumed 6 steps.
+    2. --resume, with the trainer set to die right after it checkpointed (and published) the
+       third step after the last one the first run consumed, before its StepDone reaches the
+       orchestrator: the run fails (exit 2).
+    3. --resume to the step count."""
+    from orchestrator.trainer.process import CRASH_AFTER_CHECKPOINT
+    from replay.log import read_records
+    from replay.records import ConsumptionRecord
+    from tests.integration.test_run import digest, finish, kill_group, wait_for
+    from tests.integration.test_user_task import package, run_in
+
+    root = tmp_path_factory.mktemp("crash-resume")
+    config = package(root, rl_model, extra="[transport]\nkeep_last = 32\n")
+    run_dir, max_steps = root / "run", 16
+
+    def steps_done() -> int:
+        try:
+            return sum(1 for r in read_records(run_dir) if isinstance(r, ConsumptionRecord))
+        except Exception:  # noqa: BLE001 - the log is being written
+            return 0
+
+    def published() -> dict[str, str]:
+        return {p.name: digest(p) for p in (run_dir / "weights").glob("v*") if (p / "COMPLETE").exists()}
+
+    log = root / "out.log"
+    proc = run_in(root, [str(config), "--run-dir", str(run_dir), "--max-steps", str(max_steps)], log)
+    try:
+        wait_for(lambda: steps_done() >= 6, 900, proc, log, "six steps")
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        kill_group(proc)
+    killed, published_at_kill = list(read_records(run_dir)), published()
+
+    crash_step = max(r.step for r in killed if isinstance(r, ConsumptionRecord)) + 3
+    assert crash_step <= max_steps - 2, f"the first run went on to step {crash_step - 3} after its SIGKILL"
+    log = root / "crash.log"
+    os.environ[CRASH_AFTER_CHECKPOINT] = str(crash_step)
+    try:
+        proc = run_in(root, ["--run-dir", str(run_dir), "--resume", "--max-steps", str(max_steps)], log)
+    finally:
+        del os.environ[CRASH_AFTER_CHECKPOINT]
+    try:
+        crash_code = proc.wait(900)
+    finally:
+        kill_group(proc)
+    crashed, published_at_crash = list(read_records(run_dir)), published()
+
+    log = root / "resume.log"
+    proc = run_in(root, ["--run-dir", str(run_dir), "--resume", "--max-steps", str(max_steps)], log)
+    try:
+        finish(proc, log)
+    finally:
+        kill_group(proc)
+    return CrashResumeRun(root, config, run_dir, max_steps, killed, published_at_kill, crash_step, crash_code,
+                          (root / "crash.log").read_text(), crashed, published_at_crash, list(read_records(run_dir)))
