@@ -56,6 +56,10 @@ class TaskConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # thread: in-process threads, cheaper to start; a hung function keeps its thread.
     # auto: process for your code (entrypoint, dataset), thread for the built-in toys.
     score_pool: Literal["auto", "process", "thread"] = "auto"
+    # A multi-turn agent (docs/agents.md): "package.module:run", `async def run(client, row) ->
+    # reward` against the run's OpenAI-compatible endpoint; rows from `dataset` or `entrypoint`.
+    agent: str | None = None
+    agent_timeout_s: float = 600.0  # one whole episode of the agent
 
     @property
     def scoring_pool(self) -> str:
@@ -75,6 +79,10 @@ class TaskConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ConfigError("task.max_prompt_tokens", f"must be >= 1, got {self.max_prompt_tokens}")
         if not self.score_timeout_s > 0:
             raise ConfigError("task.score_timeout_s", f"must be > 0, got {self.score_timeout_s}")
+        if self.agent is not None and ":" not in self.agent:
+            raise ConfigError("task.agent", f"must be 'package.module:function', got {self.agent!r}")
+        if not self.agent_timeout_s > 0:
+            raise ConfigError("task.agent_timeout_s", f"must be > 0, got {self.agent_timeout_s}")
         if self.score_workers < 1:
             raise ConfigError("task.score_workers", f"must be >= 1, got {self.score_workers}")
         for i, spec in enumerate(self.rewards):
@@ -88,6 +96,8 @@ class TaskConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         """The task's name in prompt ids, metrics and eval keys."""
         if self.id:
             return self.id
+        if self.agent and not self.entrypoint and not self.dataset:
+            return self.agent.split(":", 1)[0].rsplit(".", 1)[-1]
         if self.entrypoint:  # "my_pkg.tasks:make" -> "tasks" (a task object's own `name` wins at run time)
             return self.entrypoint.split(":", 1)[0].rsplit(".", 1)[-1]
         if self.dataset:
@@ -154,6 +164,8 @@ class EvalConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             changes.setdefault("entrypoint", None)
             changes.setdefault("dataset", None)
             changes.setdefault("rewards", [])
+        if "dataset" in changes or "entrypoint" in changes or "name" in changes:
+            changes["agent"] = None  # [eval]'s own task: [task]'s agent is not its
         if not self.id and ("dataset" in changes or "entrypoint" in changes or "name" in changes):
             changes["id"] = None  # named after the eval's own source
         changes.update(shuffle=False, epochs=None)

@@ -133,9 +133,9 @@ async def episode_rollout(loop, d: sch.Dispatch) -> None:
     except TurnFailed as exc:
         _finish(loop, d, entry, turns, "errored", exc.kind, exc.message)
         return
-    except TimeoutError:
+    except TimeoutError as exc:  # an environment's step past step_timeout_s, or an agent past its timeout
         _finish(loop, d, entry, turns, "errored", ENVIRONMENT_TIMEOUT,
-                "the environment's reset or step took longer than its step_timeout_s")
+                str(exc) or "the environment's reset or step took longer than its step_timeout_s")
         return
     except Exception as exc:  # noqa: BLE001 - the environment's (the user's) code failed: this episode errors
         _finish(loop, d, entry, turns, "errored", ENVIRONMENT_ERROR, f"{type(exc).__name__}: {exc}"[:500])

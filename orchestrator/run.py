@@ -218,6 +218,7 @@ class Run:
         with self.startup.phase("task"):
             self.task = await anyio.to_thread.run_sync(lambda: make_task(
                 config.task, model_dir, search_path=self.search_path))
+        self._serve_agent_endpoint()
         # A multi-turn task's reward is its episode's: no scoring pool to start.
         pool = "thread" if getattr(self.task, "episodic", False) else config.task.scoring_pool
         self.scorer = make_scorer(self.task, pool=pool, workers=config.task.score_workers,
@@ -361,6 +362,20 @@ class Run:
             self.tracking.activation(record)
 
     # -- side services ---------------------------------------------------------------------------
+    def _serve_agent_endpoint(self) -> None:
+        """An agent task's OpenAI-compatible endpoint, on the run's HTTP server (docs/agents.md)."""
+        endpoint = getattr(self.task, "agent_endpoint", None)
+        if endpoint is None:
+            return
+        from orchestrator.tasks.agent import sampling_checker
+
+        if self.http is None:
+            raise ConfigError("http.enabled", "an agent task talks to the run's OpenAI-compatible endpoint, served "
+                                              "by its HTTP server: http.enabled must be true")
+        endpoint.sampling_check = sampling_checker(self.sampling)
+        self.http.app.router.routes.extend(endpoint.routes())
+        self.task.base_url = self.http.url
+
     def _start_http(self) -> None:
         """Bind the live query server's socket (once; `main` does it before anything starts, so
         that a port in use fails the run at once, named). Until the replay log and metrics

@@ -26,6 +26,8 @@ def make_task(config: TaskConfig, model_dir: str, *, search_path: list[str] | No
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if config.agent is not None:
+        return _agent_task(config, tokenizer, where, search_path, scoring_only)
     if config.entrypoint is None and config.dataset is None:
         if config.name not in TASKS:
             raise ConfigError(f"{where}.name", f"unknown task {config.name!r}; choose one of {sorted(TASKS)}")
@@ -51,6 +53,10 @@ def make_task(config: TaskConfig, model_dir: str, *, search_path: list[str] | No
             from orchestrator.tasks.dataset import load_rows
 
             return environment_task(made, tokenizer, config, where=where, scan=not scoring_only, load_rows=load_rows)
+        if callable(getattr(made, "run", None)) and callable(getattr(made, "row", None)):
+            from orchestrator.tasks.episodes import agent_task  # e.g. orchestrator.tasks.verifiers:make
+
+            return agent_task(made.run, tokenizer, config, where=where, scan=not scoring_only, source=made)
         if callable(getattr(made, "row", None)):
             name = config.id or getattr(made, "name", None) or config.task_id
             return RowTask(tokenizer, config, name=str(name), source=made, rewards=rewards, where=where,
@@ -63,6 +69,29 @@ def make_task(config: TaskConfig, model_dir: str, *, search_path: list[str] | No
     rows = [] if scoring_only else load_rows(config.dataset, f"{where}.dataset")
     return RowTask(tokenizer, config, name=config.task_id, rows=rows, rewards=rewards, where=where,
                    scan=not scoring_only)
+
+
+def _agent_task(config: TaskConfig, tokenizer, where: str, search_path: list[str] | None, scoring_only: bool):
+    """`task.agent`: the agent function, rows from `task.entrypoint` (a task object with row(),
+    or a dataset) or `task.dataset`."""
+    from orchestrator.tasks.dataset import load_rows, rows_of
+    from orchestrator.tasks.entrypoint import call_factory, load_callable
+    from orchestrator.tasks.episodes import agent_task
+
+    run_fn = load_callable(config.agent, f"{where}.agent", search_path)
+    scan = not scoring_only
+    if config.entrypoint is not None:
+        factory = load_callable(config.entrypoint, f"{where}.entrypoint", search_path)
+        made = call_factory(factory, dict(config.args), where, tokenizer=tokenizer)
+        if callable(getattr(made, "row", None)):
+            return agent_task(run_fn, tokenizer, config, where=where, scan=scan, source=made)
+        rows = rows_of(made, f"{where}.entrypoint") if scan else []
+        return agent_task(run_fn, tokenizer, config, where=where, scan=scan, rows=rows)
+    if config.dataset is None:
+        raise ConfigError(f"{where}.dataset", "an agent needs rows (each episode's run(client, row) gets one): "
+                                              "give task.dataset or task.entrypoint")
+    rows = load_rows(config.dataset, f"{where}.dataset") if scan else []
+    return agent_task(run_fn, tokenizer, config, where=where, scan=scan, rows=rows)
 
 
 def _rewards(config: TaskConfig, where: str, search_path: list[str] | None):

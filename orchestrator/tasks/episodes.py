@@ -77,9 +77,14 @@ class EpisodeTask(RowTask):
     episodic = True
 
     def __init__(self, tokenizer, config: TaskConfig, *, name: str, runner, renderer: TurnRenderer,
-                 rows: list[dict] | None = None, source=None, where: str = "task", scan: bool = True) -> None:
+                 rows: list[dict] | None = None, source=None, where: str = "task", scan: bool = True,
+                 agent_endpoint=None) -> None:
         self.runner = runner
         self.renderer = renderer
+        # An agent task's endpoint: `inflight run` serves its routes and sets its sampling check
+        # and `base_url` (the run's HTTP address) before the first episode.
+        self.agent_endpoint = agent_endpoint
+        self.base_url: str | None = None
         super().__init__(tokenizer, config, name=name, rows=rows, source=source, rewards=None, where=where,
                          scan=scan)
 
@@ -102,8 +107,15 @@ class EpisodeTask(RowTask):
                           started: Callable[[Episode], None] | None = None, max_len: int | None = None) -> Episode:
         """One episode of `prompt`'s row; `max_len`: the engines' context length (an episode
         never grows past it)."""
-        extra = {"started": started, "max_len": max_len} if isinstance(self.runner, EnvironmentEpisodes) else {}
-        return await self.runner.run_episode(dict(prompt.row or {}), sample, max_tokens_per_turn, **extra)
+        row = dict(prompt.row or {})
+        if isinstance(self.runner, EnvironmentEpisodes):
+            return await self.runner.run_episode(row, sample, max_tokens_per_turn, started=started, max_len=max_len)
+        return await self.runner.run_episode(row, sample, max_tokens_per_turn, started, max_episode_tokens=max_len)
+
+    def close(self) -> None:
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
 
     def score_sync(self, prompt, completion_token_ids):
         raise TypeError("a multi-turn task is scored by its episodes (run_episode), not score()")
@@ -134,3 +146,31 @@ def checked_renderer(tokenizer, config: TaskConfig, where: str) -> TurnRenderer:
     renderer = TurnRenderer(tokenizer, field=f"{where}.chat_template")
     renderer.check_prefix_preserving()
     return renderer
+
+
+def agent_task(run_fn, tokenizer, config: TaskConfig, *, where: str, scan: bool, rows: list[dict] | None = None,
+               source=None) -> EpisodeTask:
+    """The EpisodeTask of an agent `run(client, row)` (docs/agents.md): its endpoint is built
+    here; `inflight run` serves it (orchestrator/run.py)."""
+    from orchestrator.agent_endpoint import AgentEndpoint
+    from orchestrator.tasks.agent import AgentEpisodes
+    from transports.http_common import new_token
+
+    if config.rewards:
+        raise ConfigError(f"{where}.rewards", "an agent's reward is what its run(client, row) returns; remove rewards")
+    renderer = checked_renderer(tokenizer, config, where)
+    endpoint = AgentEndpoint(renderer, token=new_token())
+    holder: list[EpisodeTask] = []
+
+    def base_url() -> str:
+        url = holder[0].base_url if holder else None
+        if url is None:
+            raise RuntimeError("the agent endpoint is not served yet")
+        return url
+
+    runner = AgentEpisodes(run_fn, endpoint, base_url, timeout_s=config.agent_timeout_s)
+    name = config.id or getattr(source, "name", None) or config.task_id
+    task = EpisodeTask(tokenizer, config, name=str(name), runner=runner, renderer=renderer, rows=rows,
+                       source=source, where=where, scan=scan, agent_endpoint=endpoint)
+    holder.append(task)
+    return task

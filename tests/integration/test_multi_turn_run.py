@@ -145,3 +145,39 @@ def test_a_template_that_is_not_prefix_preserving_stops_the_run_at_start(tmp_pat
     lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
     assert "task.chat_template" in lines[-1] and "not prefix-preserving" in lines[-1], done.stderr[-2000:]
     assert "Traceback" not in done.stderr
+
+
+def _small_run(tmp_path, task: str, steps: int = 2) -> Path:
+    config = tmp_path / "agent.toml"
+    config.write_text(f'[task]\n{task}\n[sampling]\nmax_tokens = 16\n[scheduler]\ngroup_size = 4\n'
+                      f'batch_groups = 2\n[run]\nmax_steps = {steps}\nprogress = "plain"\n')
+    run_dir = tmp_path / "run"
+    done = inflight("run", str(config), "--run-dir", str(run_dir))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return run_dir
+
+
+def _consumed_episodes(run_dir: Path, turns: int) -> list[RolloutRecord]:
+    records = {r.rollout_id: r for r in rollouts(run_dir)}
+    consumed = [records[rid] for c in read_records(run_dir) if isinstance(c, ConsumptionRecord)
+                for rid in c.rollout_ids]
+    assert len(consumed) == 2 * 8  # both steps consumed a whole batch of episodes
+    for r in consumed:
+        assert r.status_name == "completed" and r.turns == turns and r.episode_end == "done"
+        assert np.isnan(r.logprobs()[~r.sampled_mask()]).all() and np.isfinite(r.logprobs()[r.sampled_mask()]).all()
+        assert 0.0 <= r.rewards["reward"] <= 1.0
+    return consumed
+
+
+def test_an_openai_client_agent_produces_episodes_the_trainer_consumes(tmp_path):
+    run_dir = _small_run(tmp_path, 'agent = "orchestrator.tasks.toy_agent:digits_agent"\n'
+                                   'entrypoint = "orchestrator.tasks.toy_agent:rows"')
+    _consumed_episodes(run_dir, turns=2)
+    verified = inflight("replay", str(run_dir), "--verify-spans")
+    assert verified.returncode == 0 and "verify spans: passed" in verified.stdout, verified.stdout[-2000:]
+
+
+def test_a_verifiers_multi_turn_environment_produces_episodes_the_trainer_consumes(tmp_path):
+    run_dir = _small_run(tmp_path, 'entrypoint = "orchestrator.tasks.verifiers:make"\n'
+                                   'args = {env = "tests.vf_toy_env", kind = "multi"}')
+    _consumed_episodes(run_dir, turns=3)

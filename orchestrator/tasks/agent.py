@@ -1,0 +1,158 @@
+"""Any agent as a multi-turn task (issue #19, docs/agents.md): the user's
+
+    async def run(client: openai.AsyncOpenAI, row: dict) -> float     (or a plain def, given openai.OpenAI)
+
+talks to the run's OpenAI-compatible endpoint (`orchestrator.agent_endpoint`) for as many turns
+as it likes; every call is recorded into its episode with exact tokens, logprobs and versions,
+and the number it returns is the episode's reward.
+
+The agent runs off the run's event loop, in a worker thread with that thread's own event loop
+(`base.call_maybe_async`); its client is made in that thread, with the run's token as api_key
+and the episode's id in the `X-Inflight-Episode` header, and closed after. It is bounded by
+`timeout_s`: past it the episode ends with `AgentTimeout` (Python cannot stop the thread; it is
+left to finish, and its later calls get 404). The episode is closed whatever happens (a call in
+flight is cancelled). When the engine's turn failed inside a call, that failure is raised (as
+the run's own sampler raised it), whatever the agent made of its HTTP error.
+
+`sampling_checker(settings)` is the endpoint's `sampling_check` for a run sampling with
+`settings`: a call may repeat them, never ask for others.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import math
+import numbers
+from collections.abc import Callable
+
+import anyio
+
+from orchestrator.agent_endpoint import EPISODE_HEADER, SAMPLING_FIELDS, AgentEndpoint
+from orchestrator.errors import ConfigError
+from orchestrator.tasks.base import call_maybe_async
+from orchestrator.tasks.env import DONE, Episode, Sampler
+
+# Worker threads agents share: each holds one for its whole episode (mostly waiting on HTTP).
+AGENT_THREADS = 64
+
+
+class AgentError(Exception):
+    """The agent failed: it raised, returned no number, or never called the endpoint."""
+
+
+class AgentTimeout(TimeoutError):
+    """The agent ran past its timeout."""
+
+
+class AgentEpisodes:
+    """Runs episodes of one agent function against one endpoint."""
+
+    def __init__(self, run_fn, endpoint: AgentEndpoint, base_url_fn: Callable[[], str], *, timeout_s: float,
+                 threads: int = AGENT_THREADS) -> None:
+        if not callable(run_fn):
+            raise TypeError(f"the agent must be a function run(client, row), got {type(run_fn).__name__}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        self.run_fn = run_fn
+        self.endpoint = endpoint
+        self.base_url_fn = base_url_fn
+        self.timeout_s = timeout_s
+        self.name = getattr(run_fn, "__qualname__", type(run_fn).__name__)
+        self._limiter = anyio.CapacityLimiter(threads)
+
+    async def run_episode(self, row: dict, sample: Sampler, max_tokens_per_turn: int,
+                          started: Callable[[Episode], None] | None = None, *,
+                          max_episode_tokens: int | None = None) -> Episode:
+        episode_id = self.endpoint.open_episode(row, sample, max_tokens_per_turn, started=started,
+                                                max_episode_tokens=max_episode_tokens)
+        error = None
+        try:
+            value = await self._run_agent(episode_id, row)
+        except (AgentError, AgentTimeout) as exc:
+            value, error = None, exc
+        finally:  # also on cancellation: the episode is closed, its call in flight cancelled
+            failure = self.endpoint.failure(episode_id)
+            episode = self.endpoint.close_episode(episode_id)
+        if failure is not None:  # the engine's turn failed: raised as the run's sampler raised it
+            raise failure from error
+        if error is not None:
+            raise error
+        if episode is None:
+            raise AgentError(f"the agent {self.name} returned without calling the endpoint: an episode needs at "
+                             "least one model turn (use the client it is given)")
+        episode.reward = _reward(value, self.name)
+        episode.ended = DONE
+        return episode
+
+    async def _run_agent(self, episode_id: str, row: dict):
+        base_url = self.base_url_fn().rstrip("/") + "/v1"
+        args = (self.run_fn, base_url, self.endpoint.token, episode_id, copy.deepcopy(row), self.timeout_s)
+        # move_on_after, not fail_after: a TimeoutError the agent raises itself is its own error.
+        with anyio.move_on_after(self.timeout_s):
+            try:
+                return await anyio.to_thread.run_sync(_call_agent, *args, limiter=self._limiter,
+                                                      abandon_on_cancel=True)
+            except Exception as exc:  # noqa: BLE001 - the user's code: its failure ends this episode, named
+                raise AgentError(f"the agent {self.name} raised {type(exc).__name__}: {exc}") from exc
+        raise AgentTimeout(f"the agent {self.name} ran past its timeout of {self.timeout_s:g} s")
+
+
+def _call_agent(run_fn, base_url: str, token: str, episode_id: str, row: dict, timeout_s: float):
+    """In a worker thread: the agent with a client of its kind (async or not), made here."""
+    import openai
+
+    # No retries: a refused call is not retried into a second turn, a failed one fails the episode.
+    options = {"base_url": base_url, "api_key": token, "default_headers": {EPISODE_HEADER: episode_id},
+               "max_retries": 0, "timeout": timeout_s}
+    if not _is_async(run_fn):
+        with openai.OpenAI(**options) as client:
+            return call_maybe_async(run_fn, client, row)
+
+    async def with_client():
+        client = openai.AsyncOpenAI(**options)
+        try:
+            return await run_fn(client, row)
+        finally:
+            await client.close()
+    return call_maybe_async(with_client)
+
+
+def _is_async(fn) -> bool:
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+
+
+def _reward(value, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+        raise AgentError(f"the agent {name} returned {value!r}: it must return the episode's reward, a finite "
+                         "number (not a bool)")
+    return float(value)
+
+
+def sampling_checker(settings) -> Callable[[dict], None]:
+    """The `sampling_check` of an `AgentEndpoint`: a request may repeat the run's own settings
+    (`replay.records.SamplingSettings`), never ask for others (ConfigError naming the field)."""
+    neutral = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "length_penalty": 1,
+               "best_of": 1, "logit_bias": {}, "response_format": {"type": "text"}}
+    own = {"temperature": settings.temperature, "top_p": settings.top_p, "min_p": settings.min_p,
+           "seed": settings.seed, "min_tokens": settings.min_tokens, "ignore_eos": settings.ignore_eos,
+           "top_k": -1 if settings.top_k in (0, -1) else settings.top_k, "stop": tuple(settings.stop),
+           "stop_token_ids": tuple(settings.stop_token_ids)}
+
+    def normal(name: str, value):
+        if name == "top_k" and value == 0:
+            return -1
+        if name == "stop":
+            return (value,) if isinstance(value, str) else tuple(value) if isinstance(value, list) else value
+        return tuple(value) if name == "stop_token_ids" and isinstance(value, list) else value
+
+    def check(body: dict) -> None:
+        for name in sorted(SAMPLING_FIELDS):
+            value = body.get(name)
+            if value is None:
+                continue
+            expected = own[name] if name in own else neutral.get(name, None)
+            if isinstance(value, bool) != isinstance(expected, bool) or normal(name, value) != expected:
+                raise ConfigError(name, f"the run samples with {name} = {expected!r}, the request asks {value!r}: "
+                                        "an agent's calls sample with the run's settings (its records say so)")
+    return check
