@@ -9,7 +9,11 @@ independent single-turn rollouts of `TURN_TOKENS` tokens. The ratio is episodes/
 (single-turn rollouts/s / TURNS): 1.0 means a turn of an episode costs what a rollout costs
 (goal >= 0.8). `multi_turn_overhead_ratio` runs the environment off the run's loop (the
 default: its environment thread, one hop per reset and step); `..._on_loop` the same
-environment declaring `on_loop = True` (an async environment that never blocks).
+environment declaring `on_loop = True` (an async environment that never blocks);
+`..._paced` the default again with the fake engine paced like a real one (a chunk every 10 ms, as
+`score_overhead_ratio_paced`): where the run's loop is not saturated, a thread hop costs nothing
+that shows (on the zero-latency engine each hop waits for the busy loop thread to hand over the
+GIL).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import anyio
 from orchestrator.tasks.env import Environment, Episode
 
 TURNS = 4
+PACED_CHUNK_DELAY_S = 0.01  # the paced row: a chunk of 16 tokens every 10 ms, like a real engine's stream
 TURN_TOKENS = 500  # the orchestrator bench's rollout (TOKENS): a turn is a rollout
 
 
@@ -57,7 +62,7 @@ def episode_task(model_dir: str):
                             scan=True, load_rows=load_rows)
 
 
-async def episodes_rate(bench_run, task, concurrency: int, episodes: int) -> dict:
+async def episodes_rate(bench_run, task, concurrency: int, episodes: int, chunk_delay_s: float = 0.0) -> dict:
     """Episodes/s of the real RunLoop with `task` (episodic) on the fake engine (`bench_run`:
     orchestrator.bench.orchestrator.BenchRun, passed in: that module calls this one)."""
     import msgspec
@@ -65,7 +70,7 @@ async def episodes_rate(bench_run, task, concurrency: int, episodes: int) -> dic
     from orchestrator.loop import RunLoop
 
     with tempfile.TemporaryDirectory(prefix="inflight-bench-mt-") as tmp:
-        run = bench_run(Path(tmp), concurrency, episodes, tokens=TURN_TOKENS)
+        run = bench_run(Path(tmp), concurrency, episodes, tokens=TURN_TOKENS, chunk_delay_s=chunk_delay_s)
         run.task = task
         run.config = msgspec.structs.replace(run.config, engine=msgspec.structs.replace(
             run.config.engine, max_model_len=1 << 20))
@@ -86,16 +91,21 @@ async def _timed(run, loop_type) -> dict:
 
 
 async def multi_turn_overhead(bench_run, orchestrator_rate, model_dir: str, concurrency: int = 64,
-                              episodes: int = 1024) -> dict:
+                              episodes: int = 1024, paced_episodes: int = 256) -> dict:
     """`bench_run`, `orchestrator_rate`: orchestrator.bench.orchestrator's (its caller)."""
     task = await anyio.to_thread.run_sync(episode_task, model_dir)
     multi = await episodes_rate(bench_run, task, concurrency, episodes)
+    paced = await episodes_rate(bench_run, task, concurrency, paced_episodes, chunk_delay_s=PACED_CHUNK_DELAY_S)
     task.runner.close()
     task.runner.env.on_loop = True
     on_loop = await episodes_rate(bench_run, task, concurrency, episodes)
     single = await orchestrator_rate(concurrency, episodes * TURNS, 0.0, pool="inline", tokens=TURN_TOKENS)
+    single_paced = await orchestrator_rate(concurrency, paced_episodes * TURNS, 0.0, pool="inline",
+                                           tokens=TURN_TOKENS, chunk_delay_s=PACED_CHUNK_DELAY_S)
     per_episode = single["rollouts_per_s"] / TURNS
     return {"multi_turn_turns": TURNS, "multi_turn_turn_tokens": TURN_TOKENS, "multi_turn_episodes": multi,
             "multi_turn_episodes_on_loop": on_loop, "multi_turn_single_turn_rollouts": single,
+            "multi_turn_episodes_paced": paced, "multi_turn_single_turn_rollouts_paced": single_paced,
             "multi_turn_overhead_ratio": multi["rollouts_per_s"] / per_episode,
-            "multi_turn_overhead_ratio_on_loop": on_loop["rollouts_per_s"] / per_episode}
+            "multi_turn_overhead_ratio_on_loop": on_loop["rollouts_per_s"] / per_episode,
+            "multi_turn_overhead_ratio_paced": paced["rollouts_per_s"] / (single_paced["rollouts_per_s"] / TURNS)}
