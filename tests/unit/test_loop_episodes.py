@@ -139,3 +139,23 @@ async def test_a_stop_between_turns_ends_each_episode_once_with_the_turns_it_had
     dropped = [r for r in rollouts if r.status_name == "dropped"]
     assert dropped
     assert all(r.sampled_mask().sum() % 32 == 0 for r in dropped if r.num_completion_tokens)
+
+
+@pytest.mark.timeout(180)
+async def test_an_episode_whose_engine_dies_between_turns_goes_on_on_another(tmp_path):
+    from orchestrator import scheduler as sch
+
+    dying = reporting_engine("fake-0", die_on=40)  # dies after its first 39 turns
+    run = episodic_run(tmp_path, episodes=64, engines=[dying, reporting_engine("fake-1")])
+    run.scheduler = sch.Scheduler(run.config.scheduler, ["fake-0", "fake-1"], max_steps=run.max_steps)
+    await drive(run)
+    _records, rollouts = check(tmp_path)
+    assert run.scheduler.done_steps == run.max_steps
+    moved = [r for r in rollouts if r.status_name == "completed" and r.engine_id == "fake-0"]
+    assert moved, "no episode begun on the engine that died finished (on the other)"
+    assert all(r.turns == TURNS and r.sampled_mask().sum() == TURNS * 32 for r in moved)
+    errored = [r for r in rollouts if r.status_name == "errored"]
+    # Only episodes whose first turn had not completed error (as single-turn rollouts do); the
+    # scheduler replaces them.
+    assert all(r.status.kind in ("engine_died", "engine_fenced") and r.turns == 0 for r in errored), [
+        (r.status.kind, r.turns) for r in errored]
