@@ -140,6 +140,14 @@ async def episode_rollout(loop, d: sch.Dispatch) -> None:
     except Exception as exc:  # noqa: BLE001 - the environment's (the user's) code failed: this episode errors
         _finish(loop, d, entry, turns, "errored", ENVIRONMENT_ERROR, f"{type(exc).__name__}: {exc}"[:500])
         return
+    except BaseException:
+        # Cancelled (a stop past its grace): the caller records it aborted; its record keeps the
+        # turns that completed.
+        completion = turns.completion("dropped", "aborted")
+        if completion is not None:
+            entry.completion = completion
+            _keep_prompt(entry, turns)
+        raise
     if episode.reward is None:
         _finish(loop, d, entry, turns, "errored", NO_REWARD,
                 f"the episode ended ({episode.ended}) after {episode.turns} turn(s) without a reward")
@@ -151,8 +159,13 @@ async def episode_rollout(loop, d: sch.Dispatch) -> None:
 def _finish(loop, d, entry, turns: EpisodeTurns, outcome: str, kind: str = "", message: str = "",
             status: str = "errored") -> None:
     completion = turns.completion(status, kind, message)
-    if turns.episode is not None and entry.ctx is not None:
-        entry.ctx = dataclasses.replace(entry.ctx, prompt_token_ids=tuple(turns.episode.prompt_ids))
+    _keep_prompt(entry, turns)
     if outcome == "completed" and completion is None:  # cannot happen: a reward needs a turn
         outcome, kind, message = "errored", NO_REWARD, "the episode completed without a model turn"
     loop._finished(d, completion, outcome, kind, message)
+
+
+def _keep_prompt(entry, turns: EpisodeTurns) -> None:
+    """The record's prompt is the episode's first (known once the episode began)."""
+    if turns.episode is not None and entry.ctx is not None:
+        entry.ctx = dataclasses.replace(entry.ctx, prompt_token_ids=tuple(turns.episode.prompt_ids))

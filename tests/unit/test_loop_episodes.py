@@ -125,10 +125,11 @@ async def test_the_engine_reporting_the_prompt_it_ran_passes_every_turn(tmp_path
 
 
 @pytest.mark.timeout(180)
-async def test_a_stop_between_turns_ends_each_episode_once_with_the_turns_it_had(tmp_path):
+@pytest.mark.parametrize("step_s", [0.05, 5.0])  # stopped between turns; cancelled mid-step past the grace
+async def test_a_stop_ends_each_episode_once_with_the_turns_it_had(tmp_path, step_s):
     class Slow(EchoEnvironment):
         async def step(self, episode):
-            await anyio.sleep(0.05)
+            await anyio.sleep(step_s)
             return await super().step(episode)
 
     run = episodic_run(tmp_path, Slow(), episodes=64)
@@ -138,7 +139,9 @@ async def test_a_stop_between_turns_ends_each_episode_once_with_the_turns_it_had
     _records, rollouts = check(tmp_path)
     dropped = [r for r in rollouts if r.status_name == "dropped"]
     assert dropped
-    assert all(r.sampled_mask().sum() % 32 == 0 for r in dropped if r.num_completion_tokens)
+    kept = [r for r in dropped if r.num_completion_tokens]
+    assert kept, "no episode stopped mid-way kept the turns it had"
+    assert all(r.sampled_mask().sum() % 32 == 0 and len(r.prompt_tokens()) for r in kept)
 
 
 @pytest.mark.timeout(180)
