@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 from hypothesis import settings
@@ -38,6 +39,78 @@ def rl_model(tmp_path_factory) -> Path:
     from orchestrator.model import ensure_model
 
     return ensure_model(tmp_path_factory.mktemp("models") / "tiny-rl", preset="tiny-rl", seed=0)
+
+
+class InterruptedRun(NamedTuple):
+    """What `interrupted_run` left."""
+
+    run_dir: Path
+    code: int  # its exit code after the Ctrl-C
+    output: str  # its stdout and stderr
+    left: list  # (pid, command line) of its processes alive 10 s after it exited
+
+
+@pytest.fixture(scope="session")
+def interrupted_run(tmp_path_factory, rl_model) -> InterruptedRun:
+    """One `inflight run` stopped by a terminal's Ctrl-C (SIGINT to its whole process group) once
+    it consumed 5 steps, shared by test_replay_analysis_run (its scheduler is set so that rollouts
+    cross activations: one step of staleness at most, few in flight, longer completions: the log
+    has multi-version spans) and test_no_orphans (the stop was graceful and left no process; its
+    processes are told apart by test_no_orphans' environment marker)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    import uuid
+
+    from replay.log import read_records
+    from replay.records import ConsumptionRecord
+    from tests.reliability.test_no_orphans import gone_within, kill_marked, marked_env
+
+    root = tmp_path_factory.mktemp("interrupted-run")
+    config = root / "config.toml"
+    config.write_text(f"""
+[engine]
+model = "{rl_model}"
+[run]
+progress = "none"
+tensorboard = false
+shutdown_grace_s = 10.0
+[http]
+enabled = false
+[scheduler]
+group_size = 4
+batch_groups = 4
+max_off_policy_steps = 1
+max_inflight = 16
+[sampling]
+max_tokens = 64
+[transport]
+keep_last = 32
+""")
+    run_dir, log, mark = root / "run", root / "run.log", uuid.uuid4().hex
+
+    def steps_done() -> int:
+        try:
+            return sum(1 for r in read_records(run_dir) if isinstance(r, ConsumptionRecord))
+        except Exception:  # noqa: BLE001 - the log is being written
+            return 0
+
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "run", str(config), "--run-dir", str(run_dir),
+                             "--max-steps", "200"], stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            env=marked_env(mark), start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while steps_done() < 5:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"no step 5 (exit {proc.poll()}):\n{log.read_text()[-4000:]}")
+            time.sleep(0.5)
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+        code = proc.wait(300)
+        left = gone_within(mark, 10)
+    finally:
+        kill_marked(mark)
+    return InterruptedRun(run_dir, code, log.read_text(), left)
 
 
 @pytest.fixture(scope="session")

@@ -1,12 +1,13 @@
 """`inflight replay` on a real `inflight run` (vLLM CPU engine, real trainer, filesystem
 transport, `recompute` KV policy with `pause_swap`, fp32 wire and serving).
 
-One run is shared by every test (session scope). Its scheduler is set so that rollouts cross
-activations (one step of staleness at most, few in flight, longer completions): the log has
-multi-version spans. The checks: every token is reproduced by its recorded version within
-1e-3; a copy of the log whose spans are shifted by one token, and a copy whose version files
-are swapped, fail loudly naming the first offending token; a pruned version is skipped and
-reported; the JSON report has its keys.
+One run is shared by every test (session scope): `interrupted_run` of tests/conftest.py, which
+test_no_orphans also checks (it is stopped by a Ctrl-C after 5 steps). Its scheduler is set so
+that rollouts cross activations (one step of staleness at most, few in flight, longer
+completions): the log has multi-version spans. The checks: every token is reproduced by its
+recorded version within 1e-3; a copy of the log whose spans are shifted by one token, and a copy
+whose version files are swapped, fail loudly naming the first offending token; a pruned version
+is skipped and reported; the JSON report has its keys.
 """
 
 from __future__ import annotations
@@ -29,33 +30,8 @@ INFLIGHT = [sys.executable, "-m", "orchestrator.cli"]
 
 
 @pytest.fixture(scope="session")
-def replay_run(tmp_path_factory, rl_model) -> Path:
-    root = tmp_path_factory.mktemp("replay-run")
-    model = rl_model
-    config = root / "config.toml"
-    config.write_text(f"""
-[engine]
-model = "{model}"
-[run]
-progress = "none"
-tensorboard = false
-[http]
-enabled = false
-[scheduler]
-group_size = 4
-batch_groups = 4
-max_off_policy_steps = 1
-max_inflight = 16
-[sampling]
-max_tokens = 64
-""")
-    run_dir = root / "run"
-    log = root / "run.log"
-    with log.open("w") as out:
-        result = subprocess.run(INFLIGHT + ["run", str(config), "--run-dir", str(run_dir), "--max-steps", "5"],
-                                check=False, stdout=out, stderr=subprocess.STDOUT, timeout=600, start_new_session=True)
-    assert result.returncode == 0, log.read_text()[-4000:]
-    return run_dir
+def replay_run(interrupted_run) -> Path:
+    return interrupted_run.run_dir
 
 
 def replay(*args: str) -> subprocess.CompletedProcess:

@@ -5,7 +5,8 @@ terminal sends SIGINT to the whole process group.
 Processes are told apart by a marker the test puts in the environment of `inflight run` (every
 descendant inherits it, wherever it is re-parented), read from /proc; zombies are gone already.
 The first tests exercise the mechanism (`orchestrator.reaper`) with plain processes; the
-engine-marked ones run the real command.
+engine-marked ones run the real command (the Ctrl-C one: the session's `interrupted_run`, whose
+log the replay tests analyse).
 """
 
 from __future__ import annotations
@@ -221,26 +222,21 @@ def test_sigkill_of_the_orchestrator_leaves_no_process_of_the_run_after_10_s(tmp
 @pytest.mark.engine
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_sigint_to_the_whole_process_group_stops_gracefully_and_leaves_nothing(tmp_path, rl_model):
+def test_sigint_to_the_whole_process_group_stops_gracefully_and_leaves_nothing(interrupted_run):
+    """On the session's run that a Ctrl-C stopped after 5 steps (tests/conftest.py, shared with
+    the replay tests): its whole process group got the SIGINT."""
     from replay.log import read_records
     from replay.records import ConsumptionRecord, RolloutRecord
 
-    mark = uuid.uuid4().hex
-    proc, run_dir = run_until_step(tmp_path, write_config(tmp_path, rl_model), mark)
-    try:
-        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
-        code = proc.wait(300)
-        output = (tmp_path / "out.log").read_text()
-        assert code == 0, output[-4000:]
-        assert gone_within(mark, 10) == [], "processes outlived the run"
-    finally:
-        kill_marked(mark)
+    output = interrupted_run.output
+    assert interrupted_run.code == 0, output[-4000:]
+    assert interrupted_run.left == [], "processes outlived the run"
     # The engine's own processes leave the Ctrl-C to the orchestrator (transports.engine_signals):
     # none of them dies of it (a worker's SystemExit, the engine core's "RuntimeError: cancelled"),
     # and no rollout errors because the engine died under it. (vLLM's own shutdown may still log
     # an EngineDeadError when it force-kills an engine core slow to exit on a loaded machine.)
     assert "RuntimeError: cancelled" not in output and "KeyboardInterrupt" not in output, output[-4000:]
-    records = list(read_records(run_dir))  # strict: every record reads
+    records = list(read_records(interrupted_run.run_dir))  # strict: every record reads
     assert not [r for r in records if isinstance(r, RolloutRecord) and r.status_name == "errored"]
     steps = [r.step for r in records if isinstance(r, ConsumptionRecord)]
     assert steps and steps == list(range(1, len(steps) + 1))
