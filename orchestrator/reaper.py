@@ -13,7 +13,12 @@ orchestrator.reaper PARENT_PID TOKEN`) in a session of its own, so that neither 
 SIGINT nor a SIGKILL of the orchestrator's process group reaches it. It waits until the
 orchestrator ends (its stdin pipe says so or closes, or its parent changes) and then SIGKILLs
 every process carrying the token until none is left. At a normal end `Reaper.stop()` has it
-sweep what the teardown left and waits for it.
+sweep what the teardown left and waits for it. /proc does not always show a process's token: a
+process that retitles itself (vLLM's engine core calls setproctitle) overwrites the memory /proc
+reads its environment from, and one forked without exec shows the environment its parent started
+with (found trying a double Ctrl-C from a plain shell: the engine core outlived the run, its /proc
+environment 2 KB of mostly zeros). So the watchdog also notes the orchestrator's descendants while
+it lives (`descendants`, every TRACK_EVERY_S) and sweeps those too, each known by its start time.
 
 Children we start ourselves also get a parent-death signal (`die_with_parent`, Linux's
 `PR_SET_PDEATHSIG`): SIGKILL as soon as the orchestrator thread that started them ends.
@@ -39,6 +44,7 @@ RUN_TOKEN = "INFLIGHT_RUN_TOKEN"
 PR_SET_PDEATHSIG = 1
 SWEEP_LIMIT_S = 30.0
 TRACKER_GRACE_S = 3.0
+TRACK_EVERY_S = 0.5  # how often the watchdog notes the orchestrator's descendants
 
 
 class Reaper:
@@ -125,15 +131,64 @@ def run_processes(token: str, exclude: set[int]) -> list[tuple[int, bool]]:
     return found
 
 
-def sweep(token: str, exclude: set[int], spare_trackers: bool, limit_s: float = SWEEP_LIMIT_S) -> int:
-    """SIGKILL every process of the run until none is left (bounded by `limit_s`); resource
-    trackers last, after a grace to free shared memory, or never when `spare_trackers`.
-    Returns how many kills were sent."""
+def _stat(pid: int) -> tuple[int, bytes] | None:
+    """(parent pid, start time) of a live process, from /proc/PID/stat."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(b")") + 2:].split()  # after the command name, which may hold spaces
+    return int(fields[1]), fields[19]
+
+
+def descendants(root: int, since: int = 0) -> dict[int, bytes]:
+    """pid -> start time of every live descendant of `root` started at or after `since` (clock
+    ticks since boot, as /proc says)."""
+    children: dict[int, list[int]] = {}
+    starts: dict[int, bytes] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit() and (stat := _stat(int(name))) is not None:
+            children.setdefault(stat[0], []).append(int(name))
+            starts[int(name)] = stat[1]
+    found: dict[int, bytes] = {}
+    stack = [root]
+    while stack:
+        for child in children.get(stack.pop(), ()):
+            if int(starts[child]) >= since:
+                found[child] = starts[child]
+            stack.append(child)
+    return found
+
+
+def tracked_processes(tracked: dict[int, bytes], exclude: set[int]) -> list[tuple[int, bool]]:
+    """(pid, is a resource tracker) of the descendants seen earlier that still live (the same
+    process: its start time unchanged, so a reused pid is never taken for one)."""
+    found = []
+    for pid, start in tracked.items():
+        stat = _stat(pid)
+        if pid in exclude or stat is None or stat[1] != start:
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                tracker = b"resource_tracker" in f.read()
+        except OSError:
+            continue
+        found.append((pid, tracker))
+    return found
+
+
+def sweep(token: str, exclude: set[int], spare_trackers: bool, limit_s: float = SWEEP_LIMIT_S,
+          tracked: dict[int, bytes] | None = None) -> int:
+    """SIGKILL every process of the run until none is left (bounded by `limit_s`): those whose
+    environment carries the token, and the orchestrator's descendants the watchdog saw
+    (`tracked`); resource trackers last, after a grace to free shared memory, or never when
+    `spare_trackers`. Returns how many kills were sent."""
     deadline = time.monotonic() + limit_s
     trackers_due: float | None = None
     kills = 0
     while time.monotonic() < deadline:
-        found = run_processes(token, exclude)
+        found = list(dict(run_processes(token, exclude) + tracked_processes(tracked or {}, exclude)).items())
         targets = [pid for pid, tracker in found if not tracker]
         trackers = [pid for pid, tracker in found if tracker]
         if not targets:
@@ -156,13 +211,27 @@ def watch(parent: int, token: str, poll_s: float = 0.2) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     stdin = sys.stdin.fileno()
     normal_end = False
+    # The orchestrator's descendants, as seen while it lives: one whose /proc environment shows no
+    # token (retitled, or forked without exec: see the module docstring) has nothing else tying
+    # it to the run once re-parented to init.
+    # Only those started after this watchdog: what the orchestrator's process held before the
+    # run began (a test session's engines, a notebook's) is not the run's.
+    own = _stat(os.getpid())
+    since = int(own[1]) if own is not None else 0
+    tracked: dict[int, bytes] = {}
+    next_scan = 0.0
     while os.getppid() == parent:
+        if time.monotonic() >= next_scan:
+            tracked.update(descendants(parent, since))
+            next_scan = time.monotonic() + TRACK_EVERY_S
         if select.select([stdin], [], [], poll_s)[0]:
             # A byte: `Reaper.stop` (the orchestrator lives on a moment). EOF: it is gone (its
             # descriptors close before its children are re-parented, so getppid cannot tell yet).
             normal_end = os.read(stdin, 1) == b"x"
             break
-    sweep(token, exclude={os.getpid(), parent}, spare_trackers=normal_end)
+    if normal_end:
+        tracked.update(descendants(parent, since))
+    sweep(token, exclude={os.getpid(), parent}, spare_trackers=normal_end, tracked=tracked)
     return 0
 
 

@@ -68,12 +68,16 @@ def kill_marked(mark: str) -> None:
 
 
 def marked_env(mark: str) -> dict[str, str]:
-    return {**os.environ, MARK: mark}
+    """A user's shell, marked: without the VLLM_WORKER_MULTIPROC_METHOD that vLLM leaves in this
+    process's environment once an engine started here (a run's engines then start as from a
+    plain shell)."""
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_WORKER_MULTIPROC_METHOD"}
+    return {**env, MARK: mark}
 
 
 # -- the mechanism, with plain processes ----------------------------------------------------------
 ORCHESTRATOR = textwrap.dedent("""
-    import subprocess, sys, time
+    import os, subprocess, sys, time
     from orchestrator.reaper import Reaper, die_with_parent
     reaper = Reaper.start()
     # a child in our group, one in a session of its own (as a server engine), and a grandchild
@@ -81,6 +85,11 @@ ORCHESTRATOR = textwrap.dedent("""
     subprocess.Popen(["sleep", "300"])
     subprocess.Popen(["sleep", "300"], start_new_session=True)
     subprocess.Popen(["sh", "-c", "sleep 300 & exit 0"])
+    # and a child forked without exec: /proc shows it the environment this process started with,
+    # which holds no token (as vLLM's engine core, retitled, shows none)
+    if os.fork() == 0:
+        time.sleep(300)
+        os._exit(0)
     print("ready", flush=True)
     if sys.argv[1] == "stop":
         time.sleep(1)
@@ -103,7 +112,7 @@ def test_the_watchdog_kills_every_process_of_a_sigkilled_orchestrator():
     proc = start_orchestrator(mark, "kill")
     try:
         time.sleep(0.5)
-        assert len(marked(mark)) >= 5  # orchestrator, watchdog, three sleeps
+        assert len(marked(mark)) >= 6  # orchestrator, watchdog, three sleeps, the forked child
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(10)
         assert gone_within(mark, 10) == []
