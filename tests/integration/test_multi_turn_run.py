@@ -181,3 +181,13 @@ def test_a_verifiers_multi_turn_environment_produces_episodes_the_trainer_consum
     run_dir = _small_run(tmp_path, 'entrypoint = "orchestrator.tasks.verifiers:make"\n'
                                    'args = {env = "tests.vf_toy_env", kind = "multi"}')
     _consumed_episodes(run_dir, turns=3)
+
+
+def test_an_agent_task_without_the_http_server_stops_at_start_naming_the_field(tmp_path):
+    config = tmp_path / "agent.toml"
+    config.write_text('[task]\nagent = "orchestrator.tasks.toy_agent:digits_agent"\n'
+                      'entrypoint = "orchestrator.tasks.toy_agent:rows"\n[http]\nenabled = false\n')
+    done = inflight("run", str(config), "--run-dir", str(tmp_path / "run"), timeout=300)
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    last = [line for line in done.stderr.strip().splitlines() if line.strip()][-1]
+    assert "http.enabled" in last and "Traceback" not in done.stderr, done.stderr[-2000:]
