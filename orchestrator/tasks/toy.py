@@ -14,6 +14,15 @@ from collections.abc import Sequence
 from orchestrator.tasks.base import Prompt, Task
 
 
+def is_digit_token(tokenizer, token_id: int, known: dict[int, bool]) -> bool:
+    """Whether a token decodes to ASCII digits; `known` caches the answers (the vocabulary is fixed)."""
+    answer = known.get(token_id)
+    if answer is None:
+        text = tokenizer.decode([token_id])
+        answer = known[token_id] = bool(text) and text.isascii() and text.isdigit()
+    return answer
+
+
 class DigitsTask(Task):
     name = "digits"
     prompt_digits = 3
@@ -27,11 +36,7 @@ class DigitsTask(Task):
         return f"Write digits: {digits}", None
 
     def is_digit_token(self, token_id: int) -> bool:
-        known = self._is_digit.get(token_id)
-        if known is None:
-            text = self.tokenizer.decode([token_id])
-            known = self._is_digit[token_id] = bool(text) and text.isascii() and text.isdigit()
-        return known
+        return is_digit_token(self.tokenizer, token_id, self._is_digit)
 
     def score_sync(self, prompt: Prompt, completion_token_ids: Sequence[int]) -> dict[str, float]:
         n = len(completion_token_ids)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import random
 
 from orchestrator.tasks.env import Environment, Episode, ToolEnvironment
+from orchestrator.tasks.toy import is_digit_token
 
 
 class DigitsDialogue(Environment):
@@ -43,14 +44,8 @@ class DigitsDialogue(Environment):
         if episode.turns < self.max_turns:
             return [{"role": "user", "content": "More digits."}], None, False
         sampled = [t for t, s in zip(episode.tokens, episode.sampled) if s]
-        return [], (sum(self._digit(t) for t in sampled) / len(sampled)) if sampled else 0.0, True
-
-    def _digit(self, token_id: int) -> bool:
-        known = self._is_digit.get(token_id)
-        if known is None:
-            text = self.tokenizer.decode([token_id])
-            known = self._is_digit[token_id] = bool(text) and text.isascii() and text.isdigit()
-        return known
+        digits = sum(is_digit_token(self.tokenizer, t, self._is_digit) for t in sampled)
+        return [], digits / len(sampled) if sampled else 0.0, True
 
 
 def digits_dialogue(tokenizer, turns: int = 3, max_episode_tokens: int = 1024) -> DigitsDialogue:
