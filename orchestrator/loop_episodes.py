@@ -85,8 +85,10 @@ class EpisodeTurns:
                 await fleet.engine_died(c.engine_id, c.message)
                 if not fleet.coordinator.serving:
                     loop.request_stop("no engine serves", failure="every engine died or was fenced")
-                elif self.first is not None:  # a later turn: the episode goes on elsewhere
-                    continue
+            elif c.reason == "engine_fenced":  # fenced under the turn (a death seen by an activation, say)
+                loop._engines_fenced()
+            if c.reason in ("engine_died", "engine_fenced") and self.first is not None and fleet.coordinator.serving:
+                continue  # a later turn: the episode goes on on another engine, its tokens so far the prompt
             raise TurnFailed(c.reason, c.message)
 
     def _turn(self, c: FleetCompletion, prompt_ids: list[int]) -> SampledTurn:

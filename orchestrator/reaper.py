@@ -132,13 +132,16 @@ def run_processes(token: str, exclude: set[int]) -> list[tuple[int, bool]]:
 
 
 def _stat(pid: int) -> tuple[int, bytes] | None:
-    """(parent pid, start time) of a live process, from /proc/PID/stat."""
+    """(parent pid, start time) of a live process, from /proc/PID/stat; None for one that is
+    gone or a zombie (dead, waiting for its parent to reap it: nothing left to kill)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
     except OSError:
         return None
     fields = stat[stat.rfind(b")") + 2:].split()  # after the command name, which may hold spaces
+    if fields[0] in (b"Z", b"X"):
+        return None
     return int(fields[1]), fields[19]
 
 

@@ -272,3 +272,23 @@ def test_a_second_ctrl_c_exits_130_at_once_and_still_leaves_nothing(tmp_path, rl
         assert gone_within(mark, 10) == [], "processes outlived the run"
     finally:
         kill_marked(mark)
+
+
+def test_a_zombie_is_no_process_left_to_kill():
+    """A killed child of a living orchestrator stays a zombie until reaped: the sweep must not
+    count it (it looped on one until its time limit, delaying every run's normal end by 30 s)."""
+    from orchestrator.reaper import _stat, descendants, tracked_processes
+
+    child = subprocess.Popen(["sleep", "300"])
+    try:
+        tracked = descendants(os.getpid())
+        assert child.pid in tracked and _stat(child.pid) is not None
+        os.kill(child.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while open(f"/proc/{child.pid}/stat").read().split(") ")[1][0] != "Z":  # dead, not reaped
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert child.pid not in dict(tracked_processes(tracked, exclude=set()))
+    finally:
+        child.kill()
+        child.wait()
