@@ -110,6 +110,11 @@ class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     micro_batch_tokens: int | None = None
     # Train a LoRA adapter instead of the whole model (see LoraConfig); None: the whole model.
     lora: LoraConfig | None = None
+    # 1: checkpoint (model + optimizer) at every published version. k > 1 (a multiple of
+    # publish_every, one process only): every k-th step, each step between journaled (its
+    # batch, kilobytes), and --resume trains those steps again from the checkpoint: the same
+    # state on the same machine (docs/trainer.md, "Checkpoints").
+    checkpoint_every: int = 1
 
     @property
     def torchrun(self) -> bool:
@@ -124,9 +129,15 @@ class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ConfigError("trainer.icepop_low", f"must be in (0, icepop_high), got {self.icepop_low}")
         if self.threads != "auto" and self.threads < 1:
             raise ConfigError("trainer.threads", f'must be >= 1 or "auto", got {self.threads}')
-        for name in ("publish_every", "keep_checkpoints"):
+        for name in ("publish_every", "keep_checkpoints", "checkpoint_every"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"trainer.{name}", f"must be >= 1, got {getattr(self, name)}")
+        if self.checkpoint_every > 1 and self.checkpoint_every % self.publish_every:
+            raise ConfigError("trainer.checkpoint_every", f"must be a multiple of trainer.publish_every "
+                                                          f"({self.publish_every}), got {self.checkpoint_every}")
+        if self.checkpoint_every > 1 and self.torchrun:
+            raise ConfigError("trainer.checkpoint_every", "> 1 needs one trainer process (world_size = 1, no "
+                                                          "torchrun_args): several ranks checkpoint every version")
         if self.grad_clip < 0 or self.weight_decay < 0:
             raise ConfigError("trainer.grad_clip" if self.grad_clip < 0 else "trainer.weight_decay", "must be >= 0")
         if self.world_size < 1:

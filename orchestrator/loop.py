@@ -364,7 +364,7 @@ class RunLoop:
         """Once the trainer process is gone: each batch it held is consumed if the trainer
         checkpointed that step (its own account, from the checkpoint), else discarded
         (trainer_lost): a checkpoint can no longer appear, so the two never both happen."""
-        from orchestrator.trainer.checkpoint import consumption_of
+        from orchestrator.trainer.step_journal import consumption_of
         from replay.records import DiscardRecord
 
         for a in self.lost_batches:

@@ -340,8 +340,8 @@ class Run:
 
     def _missed_consumptions(self, state, trainer_step: int) -> list:
         """Steps the trainer finished after the orchestrator died: their consumption is in the
-        trainer's checkpoint (it is written before the version is published)."""
-        from orchestrator.trainer.checkpoint import consumption_of
+        trainer's checkpoint or journal entry (written before the version is published)."""
+        from orchestrator.trainer.step_journal import consumption_of
 
         out = []
         for step in range(max(state.consumed_steps, default=0) + 1, trainer_step + 1):

@@ -334,28 +334,6 @@ def fsync_path(path: Path) -> None:
 
 
 
-def consumption_of(run_dir: str | os.PathLike, step: int):
-    """The trainer's own account of step `step` as the StepDone it sent (or would have sent),
-    from its checkpoint; None when no checkpoint of that step is kept. The orchestrator uses it
-    on --resume for a step that finished after the orchestrator died."""
-    import numpy as np
-
-    from orchestrator.trainer.link import StepDone
-
-    if step not in complete_steps(run_dir):
-        return None
-    meta = read_meta(run_dir, step)
-    c = meta.consumption
-
-    def f32(values) -> bytes:
-        return np.asarray([np.nan if v is None else v for v in values], dtype="<f4").tobytes()
-
-    return StepDone(step=meta.step, version=meta.version, loss=c.loss, reward_mean=c.reward_mean,
-                    metrics=dict(c.metrics), seconds=0.0, rollout_ids=list(c.rollout_ids),
-                    advantages=f32(c.advantages), log_ratio_mean=f32(c.log_ratio_mean),
-                    log_ratio_max_abs=f32(c.log_ratio_max_abs))
-
-
 def _by_index(model, state: dict) -> dict:
     """The inverse of `_by_name`: what a single-process optimizer's load_state_dict takes."""
     index = {name: i for i, name in enumerate(_trainable_names(model))}

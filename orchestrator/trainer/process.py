@@ -38,7 +38,7 @@ import torch
 from orchestrator.config import RunConfig, TrainerConfig
 from orchestrator.errors import ConfigError
 from orchestrator.logging import configure_logging, get_logger
-from orchestrator.trainer import checkpoint, lora
+from orchestrator.trainer import checkpoint, lora, step_journal
 from orchestrator.trainer.link import (
     Batch,
     Failed,
@@ -129,6 +129,7 @@ class Trainer:
             else:
                 checkpoint.load(self.run_dir, step, self.model, self.optimizer)
             self.step, self.resumed = step, True
+        replay = step_journal.to_replay(self.run_dir, step) if resume and not self.ranks.sharded else []
         if self.tc.lora is not None:
             self.publisher = AdapterPublisher(self.model, self.run_dir, self.config.transport, rank=self.ranks.rank,
                                               dtype=published_dtype(self.config))
@@ -138,6 +139,8 @@ class Trainer:
                                        world=self.ranks.world, dtype=published_dtype(self.config))
         if self.ranks.sharded:
             self._check_same_run()
+        if replay:
+            self._replay(replay)
         if self.ranks.rank == 0:
             newer = [v for v in self.publisher.published() if v > self.step]
             if newer:
@@ -145,7 +148,8 @@ class Trainer:
                                      f"{self.step}: continuing would publish other weights under the same number"}
             else:
                 # Crashed between checkpoint and publish: the checkpoint holds exactly these weights.
-                decision = {"republish": self.step > 0 and not self.publisher.is_complete(self.step)}
+                decision = {"republish": self.step > 0 and self.step % self.tc.publish_every == 0
+                            and not self.publisher.is_complete(self.step)}
         if self.ranks.sharded:
             decision = share(decision, self.ranks)
         if "error" in decision:
@@ -173,8 +177,32 @@ class Trainer:
                                "configuration or the refit plan differs): start every host with RUN_DIR/config.json "
                                "and the same base model")
 
+    def _replay(self, steps: list[int]) -> None:
+        """Train the journaled steps after the checkpoint again, on their own batches (see
+        step_journal): the state the trainer had after the last of them. Each must consume
+        what it did the first time; the weights of the last are compared with its published
+        version when that is retained."""
+        started = time.perf_counter()
+        for step in steps:
+            entry = step_journal.read(self.run_dir, step)
+            result = self._train(entry.batch)
+            if result.rollout_ids != entry.meta.consumption.rollout_ids:
+                raise checkpoint.CheckpointError(f"journal entry {step_journal.step_path(self.run_dir, step)}: trained "
+                                                 "again, the step consumed other rollouts than it recorded")
+            self.step, self.resumed = step, True
+        assert self.publisher is not None
+        compared = self.publisher.compare(self.step) if self.publisher.is_complete(self.step) else None
+        log.info("trainer.replayed", steps=steps, seconds=round(time.perf_counter() - started, 3),
+                 compared_version=self.step if compared else None,
+                 compared_tensors=compared[0] if compared else 0,
+                 max_abs_diff=compared[1] if compared else None)
+
     def _resume_step(self, resume: bool) -> int:
         steps = checkpoint.complete_steps(self.run_dir)
+        journaled = step_journal.journaled_steps(self.run_dir)
+        if journaled and not steps and not resume:
+            raise RuntimeError(f"{step_journal.journal_dir(self.run_dir)} holds steps up to {journaled[-1]}: "
+                               "start with --resume, or use a new run directory")
         if steps and not resume:
             raise RuntimeError(f"{checkpoint.checkpoints_root(self.run_dir)} holds checkpoints up to step {steps[-1]}: "
                                "start with --resume, or use a new run directory")
@@ -197,18 +225,12 @@ class Trainer:
         if not batch.samples:
             return Failed(step=batch.step, error="empty batch")
         started = time.perf_counter()
-        temperature = self.config.sampling.temperature
-        if self.ranks.sharded:
-            result = train_step_sharded(self.model, self.optimizer, batch.samples, self.tc, self.pad_id, self.ranks,
-                                        step=batch.step, temperature=temperature, device=self.device)
-        else:
-            result = train_step(self.model, self.optimizer, batch.samples, self.tc, self.pad_id, step=batch.step,
-                                temperature=temperature, device=self.device)
+        result = self._train(batch)
         self.step = batch.step
         metrics = dict(result.metrics, train_s=time.perf_counter() - started)
-        version = None
-        if self.step % self.tc.publish_every == 0:
-            version = self._persist(result, metrics)
+        publish = self.step % self.tc.publish_every == 0
+        self._make_durable(batch, result, metrics, publish)
+        version = self._publish(metrics) if publish else None
         if os.environ.get(CRASH_AFTER_CHECKPOINT) == str(self.step):  # fault injection (tests only)
             os._exit(CRASH_EXIT_CODE)
         seconds = time.perf_counter() - started
@@ -219,17 +241,51 @@ class Trainer:
                         advantages=pack_f32(result.advantages), log_ratio_mean=pack_f32(result.log_ratio_mean),
                         log_ratio_max_abs=pack_f32(result.log_ratio_max_abs))
 
-    def _persist(self, result: StepResult, metrics: dict[str, float]) -> int:
-        """Checkpoint first, then publish: see checkpoint.py for why the order matters."""
-        assert self.publisher is not None
-        if self.tc.checkpoint:
-            t0 = time.perf_counter()
-            if self.ranks.sharded:
-                checkpoint.save_full(self.run_dir, self.model, self.optimizer, self._meta(result),
-                                     self.tc.keep_checkpoints, self.ranks.rank)
-            else:
-                checkpoint.save(self.run_dir, self.model, self.optimizer, self._meta(result), self.tc.keep_checkpoints)
+    def _train(self, batch: Batch) -> StepResult:
+        temperature = self.config.sampling.temperature
+        if self.ranks.sharded:
+            return train_step_sharded(self.model, self.optimizer, batch.samples, self.tc, self.pad_id, self.ranks,
+                                      step=batch.step, temperature=temperature, device=self.device)
+        return train_step(self.model, self.optimizer, batch.samples, self.tc, self.pad_id, step=batch.step,
+                          temperature=temperature, device=self.device)
+
+    def _make_durable(self, batch: Batch, result: StepResult, metrics: dict[str, float], publish: bool) -> None:
+        """Before the step's version is published (see checkpoint.py for why the order
+        matters): a checkpoint at every published version, or with trainer.checkpoint_every
+        = k at every k-th step and a journal entry of each step between (step_journal)."""
+        if not self.tc.checkpoint:
+            return
+        t0 = time.perf_counter()
+        if self.step % self.tc.checkpoint_every == 0 and publish:
+            self._checkpoint(self._meta(result))
             metrics["checkpoint_s"] = time.perf_counter() - t0
+        elif self.tc.checkpoint_every > 1:
+            step_journal.write(self.run_dir, batch, self._meta(result), published=publish)
+            metrics["journal_s"] = time.perf_counter() - t0
+
+    def _checkpoint(self, meta: checkpoint.CheckpointMeta) -> None:
+        if self.ranks.sharded:
+            checkpoint.save_full(self.run_dir, self.model, self.optimizer, meta, self.tc.keep_checkpoints,
+                                 self.ranks.rank)
+        else:
+            checkpoint.save(self.run_dir, self.model, self.optimizer, meta, self.tc.keep_checkpoints)
+            step_journal.prune(self.run_dir, meta.step)
+
+    def checkpoint_journaled(self) -> None:
+        """At a stop: checkpoint the newest journaled step, so that a resume has nothing to
+        train again. Killed during it, the journal still holds every step."""
+        journaled = step_journal.journaled_steps(self.run_dir) if self.tc.checkpoint_every > 1 else []
+        if not journaled or journaled[-1] != self.step or self.step in checkpoint.complete_steps(self.run_dir):
+            return
+        entry = step_journal.read(self.run_dir, self.step)
+        if not entry.published:  # a checkpoint stands for a published version (republished on resume)
+            return
+        t0 = time.perf_counter()
+        self._checkpoint(entry.meta)
+        log.info("trainer.checkpointed_at_stop", step=self.step, seconds=round(time.perf_counter() - t0, 3))
+
+    def _publish(self, metrics: dict[str, float]) -> int:
+        assert self.publisher is not None
         metrics["publish_s"] = self.publisher.publish(self.step)
         if self.ranks.sharded and self.tc.lora is None:  # an adapter's publish is not measured (megabytes)
             metrics.update(self._publish_memory())
@@ -327,6 +383,7 @@ def serve(client: TrainerClient, trainer: Trainer, orphaned) -> int:
             share(encode(msg), trainer.ranks)
         if isinstance(msg, Stop):
             log.info("trainer.stop", step=trainer.step)
+            trainer.checkpoint_journaled()
             return 0
         if isinstance(msg, Batch):
             client.send(trainer.handle(msg))

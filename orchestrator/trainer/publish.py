@@ -152,6 +152,12 @@ class Publisher:
 
         return published_versions(self.root) if self.root.is_dir() else []
 
+    def compare(self, version: int) -> tuple[int, float]:
+        """The model's tensors against published `version`'s: (tensors compared, max |diff|)."""
+        from transports.filesystem import version_dir
+
+        return compare_with_files(self.model.state_dict(), sorted(version_dir(self.root, version).glob("*.safetensors")))
+
     def publish(self, version: int) -> float:
         """Write `version` (the weights now in the model); returns the seconds it took. Under
         torchrun every rank calls it (the gather is collective); `self.memory` then holds this
@@ -198,6 +204,22 @@ class Publisher:
     def close(self) -> None:
         if self.sync is not None:
             self.sync.shutdown()
+
+
+def compare_with_files(own: dict, files) -> tuple[int, float]:
+    """(how many of `own`'s tensors the safetensors `files` hold under the same name, the
+    largest |difference| between them), one file tensor in memory at a time."""
+    from safetensors import safe_open
+
+    compared, worst = 0, 0.0
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                if name in own:
+                    mine, theirs = own[name].detach(), f.get_tensor(name)
+                    worst = max(worst, float((mine.double() - theirs.double()).abs().max()) if mine.numel() else 0.0)
+                    compared += 1
+    return compared, worst
 
 
 def _numel(shape) -> int:

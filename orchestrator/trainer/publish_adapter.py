@@ -15,7 +15,7 @@ import torch
 
 from orchestrator.config import TransportConfig
 from orchestrator.trainer import lora
-from orchestrator.trainer.publish import weights_root
+from orchestrator.trainer.publish import compare_with_files, weights_root
 from transports.adapters import COMPLETE, adapter_dir, published_adapters, write_adapter
 
 
@@ -47,6 +47,10 @@ class AdapterPublisher:
 
     def published(self) -> list[int]:
         return published_adapters(self.root)
+
+    def compare(self, version: int) -> tuple[int, float]:
+        """The adapter's tensors against published `version`'s: (tensors compared, max |diff|)."""
+        return compare_with_files(lora.adapter_state(self.model), sorted(adapter_dir(self.root, version).glob("*.safetensors")))
 
     def publish(self, version: int) -> float:
         """Write `version` (the adapter now in the model); returns the seconds it took. Under

@@ -37,9 +37,10 @@ def crash_resume_run(tmp_path_factory, rl_model) -> CrashResumeRun:
 
     1. The run, SIGKILLed as a process group (orchestrator, trainer and engine processes at once)
        once it consumed 6 steps.
-    2. --resume, with the trainer set to die right after it checkpointed (and published) the
-       third step after the last one the first run consumed, before its StepDone reaches the
-       orchestrator: the run fails (exit 2).
+    2. --resume, with the trainer set to die right after it journaled (and published) the
+       third or fourth step after the last one the first run consumed (the odd one: with
+       trainer.checkpoint_every = 2 a journal entry, not a checkpoint), before its StepDone
+       reaches the orchestrator: the run fails (exit 2).
     3. --resume to the step count."""
     from orchestrator.trainer.process import CRASH_AFTER_CHECKPOINT
     from replay.log import read_records
@@ -48,7 +49,9 @@ def crash_resume_run(tmp_path_factory, rl_model) -> CrashResumeRun:
     from tests.integration.test_user_task import package, run_in
 
     root = tmp_path_factory.mktemp("crash-resume")
-    config = package(root, rl_model, extra="[transport]\nkeep_last = 32\n")
+    # checkpoint_every = 2: the steps between checkpoints are journaled and trained again on
+    # resume (orchestrator/trainer/step_journal.py), so every resume here goes through both.
+    config = package(root, rl_model, extra="[transport]\nkeep_last = 32\n\n[trainer]\ncheckpoint_every = 2\n")
     run_dir, max_steps = root / "run", 16
 
     def steps_done() -> int:
@@ -71,6 +74,7 @@ def crash_resume_run(tmp_path_factory, rl_model) -> CrashResumeRun:
     killed, published_at_kill = list(read_records(run_dir)), published()
 
     crash_step = max(r.step for r in killed if isinstance(r, ConsumptionRecord)) + 3
+    crash_step += crash_step % 2 == 0  # a journaled step (odd): the last resume trains it again
     assert crash_step <= max_steps - 2, f"the first run went on to step {crash_step - 3} after its SIGKILL"
     log = root / "crash.log"
     os.environ[CRASH_AFTER_CHECKPOINT] = str(crash_step)

@@ -92,6 +92,26 @@ def check_provenance(completions, refs: References, carried: bool = False) -> li
     return interior
 
 
+async def activate_across_rollouts(fleet, world, *, carried: bool = False, before=None, attempts: int = 3):
+    """Activates a new version under load, checking every token's version, until a rollout was
+    in flight across the switch (a change point inside its completion); which rollouts cross
+    depends on timing (a CI run once saw none), so up to `attempts` versions. `before()`, if
+    given, runs before each switch. Returns (the version, its completions, its activation
+    record, what the last `before()` returned)."""
+    seen = []
+    for _ in range(attempts):
+        observed = await before() if before is not None else None
+        v = new_version(world)
+        completions, record = await under_load(fleet, lambda: fleet.activate(v), n=4)
+        assert record.outcome == act.ACTIVATED, record
+        world["live"] = v
+        interior = check_provenance(completions, world["refs"], carried=carried)
+        if interior:
+            return v, completions, record, observed
+        seen.append([(c.engine_id, c.status, len(c.token_ids), c.change_points()) for c in completions])
+    raise AssertionError(f"no rollout was in flight across any of {attempts} switches: {seen}")
+
+
 async def check_serves(engines, refs: References, version: int) -> None:
     for e in engines:
         c = await e.complete(f"probe-{e.engine_id}-{version}-{os.urandom(3).hex()}", PROMPTS[0], GREEDY)
@@ -101,14 +121,10 @@ async def check_serves(engines, refs: References, version: int) -> None:
 
 async def test_recompute_pause_swap_under_load(servers, world):
     fleet = await make_fleet(servers, world)
-    v = new_version(world)
-    completions, record = await under_load(fleet, lambda: fleet.activate(v), n=4)
-    world["live"] = v
-    assert record.outcome == act.ACTIVATED and fleet.live_version == v
+    v, completions, record, _ = await activate_across_rollouts(fleet, world)
+    assert fleet.live_version == v
     assert {eo.engine for eo in record.engines} == {"act-0", "act-1"}
     assert not record.kv_carried
-    interior = check_provenance(completions, world["refs"])
-    assert interior, "no rollout was in flight across the swap"
     assert all(not c.kv_carried_across_versions for c in completions)
     # a request submitted right after the activation (same prompt: the prefix cache is fenced)
     for engine_id in ("act-0", "act-1"):
@@ -160,12 +176,11 @@ async def test_hanging_stage_times_out_and_old_version_serves(servers, world):
 
 async def test_double_buffer_provenance_and_rollback(servers, world):
     fleet = await make_fleet(servers, world, strategy="double_buffer")
-    old = fleet.live_version
-    probe_before = await servers[0].complete("db-before", PROMPTS[1], GREEDY)
-    v = new_version(world)
-    completions, record = await under_load(fleet, lambda: fleet.activate(v), n=4)
-    assert record.outcome == act.ACTIVATED
-    assert check_provenance(completions, world["refs"])
+
+    async def probe():  # the version live before a switch (the other buffer after it), its output
+        return fleet.live_version, await servers[0].complete(f"db-before-{os.urandom(3).hex()}", PROMPTS[1], GREEDY)
+
+    _v, _completions, _record, (old, probe_before) = await activate_across_rollouts(fleet, world, before=probe)
     # flip back: the old weights, named by a new version number, give the old outputs exactly
     rb = world["next"]
     world["next"] += 1
@@ -180,7 +195,6 @@ async def test_double_buffer_provenance_and_rollback(servers, world):
 
 async def test_pause_free_flip_provenance(servers, world):
     fleet = await make_fleet(servers, world, strategy="pause_free", kv_policy="keep")
-    v = new_version(world)
     paused_calls = []
 
     async def spy_pause(inner, *args):
@@ -188,12 +202,9 @@ async def test_pause_free_flip_provenance(servers, world):
         return await inner.pause(*args)
 
     fleet.engines = {e.engine_id: FaultyEngine(e, pause=spy_pause) for e in servers}
-    completions, record = await under_load(fleet, lambda: fleet.activate(v), n=4)
-    world["live"] = v
-    assert record.outcome == act.ACTIVATED and paused_calls == []
+    v, completions, record, _ = await activate_across_rollouts(fleet, world, carried=True)
+    assert paused_calls == []
     assert record.kv_carried
-    interior = check_provenance(completions, world["refs"], carried=True)
-    assert interior
     carried = [c for c in completions if len(c.change_points()) > 1]
     assert carried and all(c.kv_carried_across_versions for c in carried)
     await check_serves(servers, world["refs"], v)

@@ -29,9 +29,9 @@ def claims(records) -> tuple[dict[int, list[int]], dict[int, list[str]]]:
 
 
 @pytest.mark.timeout(1500)
-def test_a_trainer_dead_after_its_checkpoint_has_its_step_consumed_not_discarded(crash_resume_run):
+def test_a_trainer_dead_after_journaling_a_step_has_it_consumed_not_discarded(crash_resume_run):
     """On the shared run of tests/integration/conftest.py: its second part (a resumed run) is
-    started with the trainer set to die right after it checkpointed `crash_step`; the third
+    started with the trainer set to die right after it journaled `crash_step`; the third
     resumes it to the step count."""
     run = crash_resume_run
     text = run.crash_output
@@ -41,7 +41,14 @@ def test_a_trainer_dead_after_its_checkpoint_has_its_step_consumed_not_discarded
     records = run.crashed
     consumed, discarded = claims(records)
     crashed_step = [r for r in records if isinstance(r, ConsumptionRecord) and r.step == run.crash_step]
-    assert len(crashed_step) == 1 and len(crashed_step[0].rollout_ids) == 64  # recovered from the checkpoint
+    assert len(crashed_step) == 1 and len(crashed_step[0].rollout_ids) == 64  # recovered from its journal entry
+    # The last resume trained the journaled step again from the checkpoint before it (the
+    # trainer died before checkpointing anything newer), to the very weights it had published.
+    events = [json.loads(line) for line in (run.run_dir / "trainer.log").read_text().splitlines()
+              if line.startswith("{") and '"trainer.replayed"' in line]
+    last = [e for e in events if run.crash_step in e["steps"]]
+    assert last and last[-1]["compared_version"] == run.crash_step, events
+    assert last[-1]["compared_tensors"] > 0 and last[-1]["max_abs_diff"] == 0.0, last[-1]
     assert not set(consumed) & set(discarded), "a rollout both consumed and discarded"
 
     records = check_log_invariants(run.run_dir, run.max_steps)
