@@ -62,10 +62,10 @@ class AgentEpisodes:
         self._limiter = anyio.CapacityLimiter(threads)
 
     async def run_episode(self, row: dict, sample: Sampler, max_tokens_per_turn: int,
-                          started: Callable[[Episode], None] | None = None, *,
-                          max_episode_tokens: int | None = None) -> Episode:
+                          started: Callable[[Episode], None] | None = None, max_len: int | None = None) -> Episode:
+        """One episode of the agent on `row`; `max_len`: the most tokens it may grow to."""
         episode_id = self.endpoint.open_episode(row, sample, max_tokens_per_turn, started=started,
-                                                max_episode_tokens=max_episode_tokens)
+                                                max_episode_tokens=max_len)
         error = None
         try:
             value = await self._run_agent(episode_id, row)

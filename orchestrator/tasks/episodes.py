@@ -54,9 +54,11 @@ class EnvironmentEpisodes:
     async def run_episode(self, row: dict, sample: Sampler, max_tokens_per_turn: int,
                           started: Callable[[Episode], None] | None = None, max_len: int | None = None) -> Episode:
         return await run_episode(self.env, self.renderer, sample, row, max_tokens_per_turn,
-                                 call=self._off_loop, started=started, max_len=max_len)
+                                 call=self._call, started=started, max_len=max_len)
 
-    async def _off_loop(self, fn, *args):
+    async def _call(self, fn, *args):
+        """An environment call: on the environment thread, or on the run's loop for an async
+        environment that declares `on_loop = True`; either way cancelled past step_timeout_s."""
         timeout_s = getattr(self.env, "step_timeout_s", 30.0)
         if getattr(self.env, "on_loop", False) and inspect.iscoroutinefunction(fn):
             with anyio.fail_after(timeout_s):
@@ -108,9 +110,7 @@ class EpisodeTask(RowTask):
         """One episode of `prompt`'s row; `max_len`: the engines' context length (an episode
         never grows past it)."""
         row = dict(prompt.row or {})
-        if isinstance(self.runner, EnvironmentEpisodes):
-            return await self.runner.run_episode(row, sample, max_tokens_per_turn, started=started, max_len=max_len)
-        return await self.runner.run_episode(row, sample, max_tokens_per_turn, started, max_episode_tokens=max_len)
+        return await self.runner.run_episode(row, sample, max_tokens_per_turn, started=started, max_len=max_len)
 
     def close(self) -> None:
         close = getattr(self.runner, "close", None)
