@@ -12,7 +12,9 @@ Per row: `inflight_s_to_0_9`, `sync_reference_s_to_0_9` (null: not reached withi
 `--max-steps`), `time_to_reward_ratio` (reference over inflight: > 1 means inflight is
 faster; absent unless both reached it), `inflight_steps_to_0_9`, `sync_reference_steps_to_0_9`,
 `staleness_mean` (of the samples inflight consumed up to then), `trainer_s_per_step` (median
-of the trainer's own step compute), `trainer_checkpoint_s_per_step`, `trainer_publish_s_per_step`,
+of the trainer's own step compute), `trainer_checkpoint_s_per_step` and `trainer_journal_s_per_step`
+(the mean over every step: with `trainer.checkpoint_every = k` a checkpoint every k-th step, a
+journal entry for the others), `trainer_publish_s_per_step`,
 `sync_reference_generate_s_per_step`, `sync_reference_train_s_per_step`, `startup_s` (inflight's
 command start to its first rollout) and `startup` (its phases, `orchestrator.startup`). The
 first row's keys are repeated at the top level. Both commands run as child processes: each time
@@ -166,7 +168,10 @@ def _inflight_figures(run_dir: Path, started: float, reached: dict | None) -> di
     last_step = reached["step"] if reached else None
     versions: dict[int, int] = {}
     staleness: list[int] = []
-    metrics: dict[str, list[float]] = {"train_s": [], "checkpoint_s": [], "publish_s": []}
+    metrics: dict[str, list[float]] = {"train_s": [], "publish_s": []}
+    # Making steps durable: a checkpoint every trainer.checkpoint_every steps, a journal entry
+    # for the others, so the mean over every step (0 where a step wrote none) is what it costs.
+    durable: dict[str, list[float]] = {"checkpoint_s": [], "journal_s": []}
     for record in read_records(run_dir):
         if isinstance(record, RolloutRecord):
             versions[record.rollout_id] = record.dispatched_version
@@ -175,6 +180,8 @@ def _inflight_figures(run_dir: Path, started: float, reached: dict | None) -> di
             for key, values in metrics.items():
                 if key in record.metrics:
                     values.append(record.metrics[key])
+            for key, values in durable.items():
+                values.append(record.metrics.get(key, 0.0))
     startup = next((e for e in events if e.get("event") == "run.startup"), None)
     out = {"s_to_target": _unix(reached) - started if reached else None,
            "steps_to_target": last_step,
@@ -183,6 +190,9 @@ def _inflight_figures(run_dir: Path, started: float, reached: dict | None) -> di
     for key, values in metrics.items():
         if values:
             out[f"{key}_per_step"] = statistics.median(values)
+    for key, values in durable.items():
+        if any(values):
+            out[f"{key}_per_step"] = statistics.mean(values)
     if startup is not None:
         out["startup"] = {k: v for k, v in startup.items() if k.endswith("_s")}
     return out
@@ -232,6 +242,7 @@ def _row(name: str, workload: dict, config, args: argparse.Namespace, inflight: 
         row["time_to_reward_ratio"] = reference["s_to_target"] / inflight["s_to_target"]
     for key, source in (("staleness_mean", "staleness_mean"), ("trainer_s_per_step", "train_s_per_step"),
                         ("trainer_checkpoint_s_per_step", "checkpoint_s_per_step"),
+                        ("trainer_journal_s_per_step", "journal_s_per_step"),
                         ("trainer_publish_s_per_step", "publish_s_per_step")):
         if inflight.get(source) is not None:
             row[key] = inflight[source]

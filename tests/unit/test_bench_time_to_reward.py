@@ -46,3 +46,22 @@ def test_the_inflight_config_holds_the_workload_and_extra_tables_override_it():
     assert config.sampling.max_tokens == 64 and config.trainer.lr == 3e-3
     assert config.trainer.threads == 2 and config.scheduler.admission == "eager"
     assert config.run.model_preset == "small-rl" and config.eval.at_start is False
+
+
+def test_the_cost_of_making_steps_durable_is_the_mean_over_every_step(tmp_path):
+    """With trainer.checkpoint_every = 3 two steps of three journal and one checkpoints: the
+    per-step figures are means over all steps (a median would hide the checkpoint, or show it
+    as every step's); the train time stays a median."""
+    from orchestrator.bench.time_to_reward import _inflight_figures
+    from replay.log import ReplayLog
+    from replay.records import ConsumptionRecord
+
+    steps = [ConsumptionRecord(step=s, rollout_ids=[], metrics={"train_s": float(s), **(
+        {"checkpoint_s": 3.0} if s % 3 == 0 else {"journal_s": 0.03})}) for s in range(1, 7)]
+    with ReplayLog.open(tmp_path) as log:
+        for record in steps:
+            log.append(record)
+    figures = _inflight_figures(tmp_path, 0.0, None)
+    assert figures["checkpoint_s_per_step"] == pytest.approx(1.0)  # 2 checkpoints x 3 s / 6 steps
+    assert figures["journal_s_per_step"] == pytest.approx(0.02)
+    assert figures["train_s_per_step"] == pytest.approx(3.5)
