@@ -211,3 +211,34 @@ def test_checkpoint_every_mistakes_name_the_field(fields, message):
     with pytest.raises(ConfigError, match=message) as caught:
         TrainerConfig(**fields).validate()
     assert caught.value.field == "trainer.checkpoint_every"
+
+
+def test_a_lora_run_with_dropout_replays_its_journal_to_the_same_adapter(tiny_model_dir, batches, tmp_path):
+    """LoRA dropout draws from the torch generator: the checkpoint restores it, and the steps
+    trained again draw what they drew the first time (the adapter and Adam state equal, and
+    equal to the published adapter of the last step)."""
+    from orchestrator.config import LoraConfig
+    from orchestrator.trainer import lora
+
+    config = RunConfig(trainer=TrainerConfig(threads=1, checkpoint_every=2, lora=LoraConfig(
+        rank=4, alpha=8.0, dropout=0.1, target_modules=["q_proj", "v_proj"])),
+        transport=TransportConfig(keep_last=8)).validate()
+    torch.manual_seed(0)
+    first = _trainer(tmp_path / "run", tiny_model_dir, config)
+    try:
+        _steps(first, [1, 2, 3], batches)
+        want, want_adam = lora.adapter_state(first.model), _state(first)[1]
+    finally:
+        first.close()
+    assert checkpoint.complete_steps(tmp_path / "run") == [2] and step_journal.journaled_steps(tmp_path / "run") == [3]
+    torch.manual_seed(7)
+    resumed = _trainer(tmp_path / "run", tiny_model_dir, config, resume=True)
+    try:
+        assert resumed.step == 3
+        got = lora.adapter_state(resumed.model)
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+        _assert_same_state((_state(resumed)[0], _state(resumed)[1]), (_state(resumed)[0], want_adam))
+        compared, diff = resumed.publisher.compare(3)
+        assert compared == len(want) and diff == 0.0
+    finally:
+        resumed.close()
