@@ -213,7 +213,10 @@ class Trainer:
 
     def ready(self) -> Ready:
         assert self.publisher is not None
-        return Ready(step=self.step, version=self.step, plan_json=self.publisher.plan_json,
+        # The newest published version: a resumed trainer may stand at a journaled step that
+        # publish_every skipped.
+        version = self.step - self.step % self.tc.publish_every
+        return Ready(step=self.step, version=version, plan_json=self.publisher.plan_json,
                      weights_root=str(self.publisher.root), pid=os.getpid(), resumed=self.resumed)
 
     def handle(self, batch: Batch) -> StepDone | Failed:

@@ -21,6 +21,7 @@ from orchestrator.trainer import checkpoint, step_journal
 from orchestrator.trainer.link import Batch, Sample, StepDone, pack_f32, pack_i32, unpack_f32
 from orchestrator.trainer.process import Trainer
 from orchestrator.trainer.publish import compare_with_files
+from tests.unit.test_trainer_lora import _trainer
 from transports.filesystem import published_versions, version_dir
 
 STEPS = 5
@@ -47,12 +48,6 @@ def batches() -> dict[int, list[Sample]]:
                                   reward=float(rng.random()), dispatched_version=step - 1))
         out[step] = samples
     return out
-
-
-def _trainer(run_dir: Path, model_dir: Path, config: RunConfig, resume: bool = False) -> Trainer:
-    trainer = Trainer(str(run_dir), str(model_dir), config)
-    trainer.start(resume)
-    return trainer
 
 
 def _steps(trainer: Trainer, steps, batches) -> dict[int, StepDone]:
@@ -242,3 +237,27 @@ def test_a_lora_run_with_dropout_replays_its_journal_to_the_same_adapter(tiny_mo
         assert compared == len(want) and diff == 0.0
     finally:
         resumed.close()
+
+
+def test_a_resume_at_a_journaled_step_that_published_nothing_names_the_newest_published_version(
+        tiny_model_dir, batches, tmp_path):
+    """publish_every = 2, checkpoint_every = 4: step 5 is journaled and publishes nothing; the
+    resumed trainer stands at step 5 and tells the orchestrator that version 4 is the newest
+    (the one its engines must serve), and does not publish 5."""
+    config = _config(checkpoint_every=4, publish_every=2)
+    first = _trainer(tmp_path / "run", tiny_model_dir, config)
+    try:
+        done = _steps(first, range(1, 6), batches)
+    finally:
+        first.close()
+    assert [d.version for d in done.values()] == [None, 2, None, 4, None]
+    assert step_journal.journaled_steps(tmp_path / "run") == [5]
+    assert step_journal.consumption_of(tmp_path / "run", 5).version is None
+    resumed = _trainer(tmp_path / "run", tiny_model_dir, config, resume=True)
+    try:
+        assert resumed.step == 5 and resumed.ready().version == 4
+        resumed.checkpoint_journaled()  # a stop: a checkpoint stands for a published version only
+    finally:
+        resumed.close()
+    assert published_versions(tmp_path / "run" / "weights") == [2, 4]
+    assert checkpoint.complete_steps(tmp_path / "run") == [4]
