@@ -115,11 +115,26 @@ class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # batch, kilobytes), and --resume trains those steps again from the checkpoint: the same
     # state on the same machine (docs/trainer.md, "Checkpoints").
     checkpoint_every: int = 1
+    # Write each checkpoint from a snapshot in a background thread while the next step trains,
+    # every step journaled meanwhile (docs/trainer.md, "Checkpoints"). None: on for one trainer
+    # process, off under torchrun (its ranks gather the state together).
+    checkpoint_background: bool | None = None
 
     @property
     def torchrun(self) -> bool:
         """Started under torchrun (several ranks, or torchrun flags given)."""
         return self.world_size > 1 or bool(self.torchrun_args)
+
+    @property
+    def background_checkpoints(self) -> bool:
+        if not self.checkpoint:
+            return False
+        return not self.torchrun if self.checkpoint_background is None else self.checkpoint_background
+
+    @property
+    def journaled(self) -> bool:
+        """Steps without a checkpoint of their own are journaled (step_journal)."""
+        return self.checkpoint and (self.checkpoint_every > 1 or self.background_checkpoints)
 
     def validate(self) -> TrainerConfig:
         for name in ("lr", "is_cap", "ppo_clip", "icepop_high", "start_timeout_s", "step_timeout_s"):
@@ -138,6 +153,10 @@ class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if self.checkpoint_every > 1 and self.torchrun:
             raise ConfigError("trainer.checkpoint_every", "> 1 needs one trainer process (world_size = 1, no "
                                                           "torchrun_args): several ranks checkpoint every version")
+        if self.checkpoint_background and self.torchrun:
+            raise ConfigError("trainer.checkpoint_background", "needs one trainer process (world_size = 1, no "
+                                                               "torchrun_args): under torchrun the ranks gather "
+                                                               "each checkpoint together")
         if self.grad_clip < 0 or self.weight_decay < 0:
             raise ConfigError("trainer.grad_clip" if self.grad_clip < 0 else "trainer.weight_decay", "must be >= 0")
         if self.world_size < 1:

@@ -14,7 +14,9 @@ faster; absent unless both reached it), `inflight_steps_to_0_9`, `sync_reference
 `staleness_mean` (of the samples inflight consumed up to then), `trainer_s_per_step` (median
 of the trainer's own step compute), `trainer_checkpoint_s_per_step` and `trainer_journal_s_per_step`
 (the mean over every step: with `trainer.checkpoint_every = k` a checkpoint every k-th step, a
-journal entry for the others), `trainer_publish_s_per_step`,
+journal entry for the others; with background checkpoints, the default, the snapshot the step
+waits for), `trainer_checkpoint_write_s_background` (median seconds of a background write, off
+the critical path), `trainer_publish_s_per_step`,
 `sync_reference_generate_s_per_step`, `sync_reference_train_s_per_step`, `startup_s` (inflight's
 command start to its first rollout) and `startup` (its phases, `orchestrator.startup`). The
 first row's keys are repeated at the top level. Both commands run as child processes: each time
@@ -168,7 +170,8 @@ def _inflight_figures(run_dir: Path, started: float, reached: dict | None) -> di
     last_step = reached["step"] if reached else None
     versions: dict[int, int] = {}
     staleness: list[int] = []
-    metrics: dict[str, list[float]] = {"train_s": [], "publish_s": []}
+    # checkpoint_write_s: a background checkpoint's write, off the step's critical path.
+    metrics: dict[str, list[float]] = {"train_s": [], "publish_s": [], "checkpoint_write_s": []}
     # Making steps durable: a checkpoint every trainer.checkpoint_every steps, a journal entry
     # for the others, so the mean over every step (0 where a step wrote none) is what it costs.
     durable: dict[str, list[float]] = {"checkpoint_s": [], "journal_s": []}
@@ -243,7 +246,8 @@ def _row(name: str, workload: dict, config, args: argparse.Namespace, inflight: 
     for key, source in (("staleness_mean", "staleness_mean"), ("trainer_s_per_step", "train_s_per_step"),
                         ("trainer_checkpoint_s_per_step", "checkpoint_s_per_step"),
                         ("trainer_journal_s_per_step", "journal_s_per_step"),
-                        ("trainer_publish_s_per_step", "publish_s_per_step")):
+                        ("trainer_publish_s_per_step", "publish_s_per_step"),
+                        ("trainer_checkpoint_write_s_background", "checkpoint_write_s_per_step")):
         if inflight.get(source) is not None:
             row[key] = inflight[source]
     row["sync_reference_generate_s_per_step"] = reference["generate_s_per_step"]

@@ -122,10 +122,10 @@ def save(run_dir: str | os.PathLike, model, optimizer, meta: CheckpointMeta, kee
         torch.save({"optimizer": optimizer.state_dict(), "torch_rng": torch.get_rng_state()}, tmp / OPTIMIZER_FILE)
 
     # The kind is the model's, whatever the caller's meta said.
-    return _write_checkpoint(run_dir, msgspec.structs.replace(meta, lora=adapter), keep, write_state)
+    return write_checkpoint(run_dir, msgspec.structs.replace(meta, lora=adapter), keep, write_state)
 
 
-def _write_checkpoint(run_dir: str | os.PathLike, meta: CheckpointMeta, keep: int,
+def write_checkpoint(run_dir: str | os.PathLike, meta: CheckpointMeta, keep: int,
                       write_state: Callable[[Path], None]) -> Path:
     """The one way a checkpoint reaches disk: `write_state(tmp)` writes the model and optimizer
     files into a temporary directory, the meta follows, every file and the directory are
@@ -166,7 +166,7 @@ def load(run_dir: str | os.PathLike, step: int, model, optimizer) -> CheckpointM
         _load_adapter(path, model, load_file(str(path / MODEL_FILE)))
     else:
         missing, unexpected = load_model(model, str(path / MODEL_FILE), strict=False)
-        if unexpected or [m for m in missing if not _tied(model, m)]:
+        if unexpected or [m for m in missing if not is_tied(model, m)]:
             raise CheckpointError(f"checkpoint {path}: weights do not fit the model "
                                   f"(missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})")
     state = torch.load(path / OPTIMIZER_FILE, weights_only=True)
@@ -208,11 +208,11 @@ def save_full(run_dir: str | os.PathLike, model, optimizer, meta: CheckpointMeta
 
     def write_state(tmp: Path) -> None:
         # save_model's convention: the second name of a shared tensor (tied lm_head) is left out.
-        tensors = {k: v.contiguous() for k, v in model_state.items() if adapter or not _tied(model, k)}
+        tensors = {k: v.contiguous() for k, v in model_state.items() if adapter or not is_tied(model, k)}
         save_file(tensors, str(tmp / MODEL_FILE), metadata={"format": "pt"})
         torch.save({FQN_OPTIMIZER: optim_state, "torch_rng": torch.get_rng_state()}, tmp / OPTIMIZER_FILE)
 
-    return _write_checkpoint(run_dir, msgspec.structs.replace(meta, lora=adapter), keep, write_state)
+    return write_checkpoint(run_dir, msgspec.structs.replace(meta, lora=adapter), keep, write_state)
 
 
 def load_full(run_dir: str | os.PathLike, step: int, model, optimizer, rank: int) -> CheckpointMeta:
@@ -298,7 +298,7 @@ def _by_name(model, state: dict) -> dict:
             "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]}
 
 
-def _tied(model, name: str) -> bool:
+def is_tied(model, name: str) -> bool:
     # save_model drops the second name of a shared tensor; loading it back is fine.
     return bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False)) and name.endswith("lm_head.weight")
 

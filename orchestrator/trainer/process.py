@@ -3,7 +3,8 @@
 
 It connects to the orchestrator's link (`orchestrator.trainer.link`), says `Ready`, then for
 each `Batch(step=s)`: one optimizer step from version s-1; when s % publish_every == 0 it
-checkpoints (first) and publishes version s (then), and answers `StepDone`. `Stop` ends it
+makes the step durable (first: a checkpoint, or a journal entry and a checkpoint written in the
+background, `checkpoint_background`) and publishes version s (then), and answers `StepDone`. `Stop` ends it
 (exit 0); an exception answers `Failed` and exits 1; so does an orchestrator that went away
 (the parent pid changed, or the `--orchestrator-pid` process is gone).
 
@@ -37,7 +38,8 @@ import torch
 
 from orchestrator.config import RunConfig
 from orchestrator.logging import configure_logging, get_logger
-from orchestrator.trainer import checkpoint, lora, step_journal
+from orchestrator.trainer import checkpoint, checkpoint_background, lora, step_journal
+from orchestrator.trainer.checkpoint_background import BackgroundWriter
 from orchestrator.trainer.link import (
     Batch,
     Failed,
@@ -70,6 +72,9 @@ CRASH_AFTER_CHECKPOINT = "INFLIGHT_FAULT_TRAINER_EXIT_AFTER_STEP"
 CRASH_EXIT_CODE = 17
 # How long ranks that end together wait for each other before tearing the group down.
 LEAVE_TIMEOUT_S = 30.0
+# How long a trainer that ends lets a background checkpoint under way finish (the journal makes
+# up for one cut short).
+WRITER_CLOSE_TIMEOUT_S = 60.0
 
 
 
@@ -108,6 +113,7 @@ class Trainer:
         self.current: int | None = None  # the step being trained (named by Failed if it raises)
         self.resumed = False
         self.publisher: Publisher | AdapterPublisher | None = None
+        self.writer = BackgroundWriter(run_dir, self.tc.keep_checkpoints) if self.tc.background_checkpoints else None
 
     def start(self, resume: bool) -> None:
         """Restore the newest checkpoint (with --resume), repair its version, open the publisher.
@@ -255,14 +261,27 @@ class Trainer:
     def _make_durable(self, batch: Batch, result: StepResult, metrics: dict[str, float], publish: bool) -> None:
         """Before the step's version is published (see checkpoint.py for why the order
         matters): a checkpoint at every published version, or with trainer.checkpoint_every
-        = k at every k-th step and a journal entry of each step between (step_journal)."""
+        = k at every k-th step and a journal entry of each step between (step_journal). With
+        background checkpoints every step is journaled and a due checkpoint is a snapshot that
+        the writer thread writes while the next step trains (checkpoint_background)."""
         if not self.tc.checkpoint:
             return
+        due = self.step % self.tc.checkpoint_every == 0 and publish
         t0 = time.perf_counter()
-        if self.step % self.tc.checkpoint_every == 0 and publish:
+        if self.writer is not None:
+            metrics.update(self.writer.collect())  # the last write's figures; a failed one raises here
+            step_journal.write(self.run_dir, batch, self._meta(result), published=publish)
+            metrics["journal_s"] = time.perf_counter() - t0
+            if due and self.writer.busy:  # the journal covers it; the trainer does not wait for the disk
+                metrics["checkpoint_skipped"] = 1.0
+            elif due:
+                t1 = time.perf_counter()
+                self.writer.submit(checkpoint_background.take(self.model, self.optimizer, self._meta(result)))
+                metrics["checkpoint_s"] = time.perf_counter() - t1  # the snapshot: the step's share
+        elif due:
             self._checkpoint(self._meta(result))
             metrics["checkpoint_s"] = time.perf_counter() - t0
-        elif self.tc.checkpoint_every > 1:
+        elif self.tc.journaled:
             step_journal.write(self.run_dir, batch, self._meta(result), published=publish)
             metrics["journal_s"] = time.perf_counter() - t0
 
@@ -277,7 +296,9 @@ class Trainer:
     def checkpoint_journaled(self) -> None:
         """At a stop: checkpoint the newest journaled step, so that a resume has nothing to
         train again. Killed during it, the journal still holds every step."""
-        journaled = step_journal.journaled_steps(self.run_dir) if self.tc.checkpoint_every > 1 else []
+        if self.writer is not None:
+            self.writer.collect(timeout_s=None)  # the write under way first (it may be this step's)
+        journaled = step_journal.journaled_steps(self.run_dir) if self.tc.journaled else []
         if not journaled or journaled[-1] != self.step or self.step in checkpoint.complete_steps(self.run_dir):
             return
         entry = step_journal.read(self.run_dir, self.step)
@@ -324,6 +345,8 @@ class Trainer:
                                          created_unix=time.time(), lora=self.tc.lora is not None)
 
     def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close(timeout_s=WRITER_CLOSE_TIMEOUT_S)
         if self.publisher is not None:
             self.publisher.close()
 

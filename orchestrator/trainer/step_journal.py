@@ -1,5 +1,6 @@
-"""The steps since the last checkpoint (`trainer.checkpoint_every` > 1):
-RUN_DIR/trainer/journal/step-00000013.msgpack, one file per step.
+"""The steps since the last checkpoint (`trainer.checkpoint_every` > 1, or background
+checkpoints: `checkpoint_background`): RUN_DIR/trainer/journal/step-00000013.msgpack, one file
+per step.
 
 A full checkpoint (model + optimizer: three times the model's size) every step is seconds of the
 critical path on a CPU; a step's batch is a few kilobytes to megabytes. So between checkpoints

@@ -106,7 +106,10 @@ def _assert_same(published: dict, run_dir: Path, step: int) -> None:
 
 
 def _config(**trainer) -> RunConfig:
-    return RunConfig(trainer=TrainerConfig(threads=1, **trainer), transport=TransportConfig(keep_last=8)).validate()
+    # Checkpoints written before each publish (the order these tests check step by step);
+    # background checkpoints: tests/unit/test_checkpoint_background.py and the crash/resume runs.
+    fields = {"threads": 1, "checkpoint_background": False, **trainer}
+    return RunConfig(trainer=TrainerConfig(**fields), transport=TransportConfig(keep_last=8)).validate()
 
 
 @pytest.mark.timeout(400)

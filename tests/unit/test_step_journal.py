@@ -28,7 +28,7 @@ STEPS = 5
 
 
 def _config(**trainer) -> RunConfig:
-    fields = {"threads": 1, "checkpoint_every": 3, **trainer}
+    fields = {"threads": 1, "checkpoint_every": 3, "checkpoint_background": False, **trainer}
     return RunConfig(trainer=TrainerConfig(**fields), transport=TransportConfig(keep_last=8)).validate()
 
 
