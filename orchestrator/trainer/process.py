@@ -297,7 +297,10 @@ class Trainer:
         """At a stop: checkpoint the newest journaled step, so that a resume has nothing to
         train again. Killed during it, the journal still holds every step."""
         if self.writer is not None:
-            self.writer.collect(timeout_s=None)  # the write under way first (it may be this step's)
+            self.writer.collect(timeout_s=WRITER_CLOSE_TIMEOUT_S)  # the write under way first (maybe this step's)
+            if self.writer.busy:  # one writer at a time; the journal still holds every step after it
+                log.warning("trainer.checkpoint_at_stop_skipped", step=self.step, waited_s=WRITER_CLOSE_TIMEOUT_S)
+                return
         journaled = step_journal.journaled_steps(self.run_dir) if self.tc.journaled else []
         if not journaled or journaled[-1] != self.step or self.step in checkpoint.complete_steps(self.run_dir):
             return
