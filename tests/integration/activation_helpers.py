@@ -12,6 +12,7 @@ import anyio
 import torch
 
 from orchestrator.engines.base import Engine, SamplingSettings
+from orchestrator.errors import FencedEngineError
 from replay.analysis.recompute import carried_logprobs, fed_logprobs, sequence_logprobs
 
 PROMPTS = [[5, 17, 42, 8, 23, 11, 3, 29] * 3, [7, 7, 19, 4, 61, 2, 33, 12] * 3,
@@ -124,7 +125,12 @@ async def under_load(fleet, activate: Callable, *, n: int = 4, min_tokens: int =
         engine_id = engines[i % len(engines)] if engines else None
         k = 0
         while True:
-            c = await fleet.generate(PROMPTS[(i + k) % len(PROMPTS)], sampling, engine_id=engine_id)
+            try:
+                c = await fleet.generate(PROMPTS[(i + k) % len(PROMPTS)], sampling, engine_id=engine_id)
+            except FencedEngineError:
+                # A stream pinned to an engine that the activation fenced: its last rollout
+                # completed before the fence, and the next one finds the engine out of the fleet.
+                return
             completions.append(c)
             k += 1
             if done.is_set() or c.status != "completed":
