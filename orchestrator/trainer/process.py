@@ -268,21 +268,22 @@ class Trainer:
             return
         due = self.step % self.tc.checkpoint_every == 0 and publish
         t0 = time.perf_counter()
+        meta = self._meta(result)  # one account of the step, whichever file holds it
         if self.writer is not None:
             metrics.update(self.writer.collect())  # the last write's figures; a failed one raises here
-            step_journal.write(self.run_dir, batch, self._meta(result), published=publish)
+            step_journal.write(self.run_dir, batch, meta, published=publish)
             metrics["journal_s"] = time.perf_counter() - t0
             if due and self.writer.busy:  # the journal covers it; the trainer does not wait for the disk
                 metrics["checkpoint_skipped"] = 1.0
             elif due:
                 t1 = time.perf_counter()
-                self.writer.submit(checkpoint_background.take(self.model, self.optimizer, self._meta(result)))
+                self.writer.submit(checkpoint_background.take(self.model, self.optimizer, meta))
                 metrics["checkpoint_s"] = time.perf_counter() - t1  # the snapshot: the step's share
         elif due:
-            self._checkpoint(self._meta(result))
+            self._checkpoint(meta)
             metrics["checkpoint_s"] = time.perf_counter() - t0
         elif self.tc.journaled:
-            step_journal.write(self.run_dir, batch, self._meta(result), published=publish)
+            step_journal.write(self.run_dir, batch, meta, published=publish)
             metrics["journal_s"] = time.perf_counter() - t0
 
     def _checkpoint(self, meta: checkpoint.CheckpointMeta) -> None:
