@@ -10,9 +10,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
+
+from replay.cli_progress import progress_bars
 
 STATUSES = ("completed", "dropped", "errored")  # = replay.records.STATUS_NAMES, kept light here
 ERROR_EXIT = 2
@@ -78,31 +80,6 @@ def _expected_failures() -> Iterator[list[int]]:
         code[0] = ERROR_EXIT
 
 
-@contextmanager
-def _progress(enabled: bool = True) -> Iterator[Callable[[str, int | None], Callable[[int], None]]]:
-    """Rich progress bars on stderr; `task(name, total)` returns `advance(n)`."""
-    from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-    )
-
-    console = Console(stderr=True)
-    if not enabled or not console.is_terminal:
-        yield lambda _name, _total: lambda _n: None
-        return
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=console, transient=True) as progress:
-        def task(name: str, total: int | None) -> Callable[[int], None]:
-            task_id = progress.add_task(name, total=total)
-            return lambda n: progress.advance(task_id, n)
-
-        yield task
-
-
 # --- stats ------------------------------------------------------------------------------------
 
 
@@ -111,7 +88,7 @@ def run_stats(args: argparse.Namespace) -> int:
 
     filters = Filters(step_min=args.step_min, step_max=args.step_max,
                       engines=tuple(args.engine), statuses=tuple(args.status))
-    with _expected_failures() as code, _progress() as progress:
+    with _expected_failures() as code, progress_bars() as progress:
         advance = progress("reading replay log", None)
         stats = stats_from_log(args.run_dir, filters, lenient=args.lenient,
                                on_record=lambda: advance(1), sidecars=not args.verify)
@@ -220,7 +197,7 @@ def run_export(args: argparse.Namespace) -> int:
     tokens_out = None
     if args.tokens is not None:
         tokens_out = args.tokens or default_tokens_path(args.parquet)
-    with _expected_failures() as code, _progress() as progress:
+    with _expected_failures() as code, progress_bars() as progress:
         advance = progress("exporting", None)
         result = export_parquet(args.run_dir, args.parquet, tokens_out=tokens_out,
                                 lenient=args.lenient, on_record=lambda: advance(1))
@@ -244,7 +221,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from replay.bench.log import GOALS
     from replay.bench.log import run_bench as bench
 
-    with _expected_failures() as code, _progress() as progress:
+    with _expected_failures() as code, progress_bars() as progress:
         result = bench(records=args.records, fsync1_records=args.fsync1_records,
                        stats_rows=args.stats_rows, directory=args.dir, progress=progress)
     if code[0]:

@@ -65,14 +65,14 @@ def register(sub: argparse._SubParsersAction, bench_sub: argparse._SubParsersAct
 
 def run_replay(args: argparse.Namespace) -> int:
     from replay.analysis.analyze import Options, analyze
-    from replay.cli import _progress
+    from replay.cli_progress import progress_bars
     from replay.errors import ReplayError
 
     options = Options(target=args.target, limit=args.limit, steps=args.steps, clip=args.clip,
                       verify_spans=args.verify_spans, tolerance=args.tolerance, device=args.device,
                       lenient=args.lenient, token_table=args.parquet is not None)
     try:
-        with _progress() as progress:
+        with progress_bars() as progress:
             report, table = analyze(args.run_dir, options, progress)
         outputs: dict[str, Any] = {}
         if args.parquet is not None and table is not None:

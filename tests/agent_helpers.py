@@ -1,5 +1,5 @@
 """What the agent endpoint's tests share: the endpoint served as the run serves its HTTP app
-(`orchestrator.http.HttpServer`: uvicorn on 127.0.0.1, port 0), and a scripted sampler that
+(`orchestrator.observe.http.HttpServer`: uvicorn on 127.0.0.1, port 0), and a scripted sampler that
 records every prompt it is sent."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import anyio
 import openai
 
-from orchestrator.agent_endpoint import EPISODE_HEADER, AgentEndpoint
+from orchestrator.tasks.agent_endpoint import EPISODE_HEADER, AgentEndpoint
 from orchestrator.tasks.env import SampledTurn
 
 LOGPROB = -0.5
@@ -23,7 +23,7 @@ async def served(endpoint: AgentEndpoint, run_dir: Path):
     """The endpoint's routes on a live server; yields its base URL (no /v1)."""
     from starlette.applications import Starlette
 
-    from orchestrator.http import HttpServer
+    from orchestrator.observe.http import HttpServer
 
     run_dir.mkdir(parents=True, exist_ok=True)
     server = HttpServer(Starlette(routes=endpoint.routes()), "127.0.0.1", 0, run_dir)

@@ -96,7 +96,7 @@ keep_last = 32
         except Exception:  # noqa: BLE001 - the log is being written
             return 0
 
-    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "run", str(config), "--run-dir", str(run_dir),
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.commands.cli", "run", str(config), "--run-dir", str(run_dir),
                              "--max-steps", "200"], stdout=log.open("w"), stderr=subprocess.STDOUT,
                             env=marked_env(mark), start_new_session=True)
     try:
@@ -120,7 +120,7 @@ def engine_log_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 async def inproc_engine(tiny_model_dir):
-    from orchestrator.config import EngineConfig
+    from orchestrator.config.run import EngineConfig
     from orchestrator.engines.inproc import InProcessEngine
 
     engine = InProcessEngine(EngineConfig(model=str(tiny_model_dir), kind="inproc"), "inproc-0")
@@ -131,7 +131,7 @@ async def inproc_engine(tiny_model_dir):
 
 @pytest.fixture(scope="session")
 async def server_engine(tiny_model_dir, engine_log_dir):
-    from orchestrator.config import EngineConfig
+    from orchestrator.config.run import EngineConfig
     from orchestrator.engines.server import ServerEngine
 
     # A control call can wait behind a long token stream on the shared core (one abort took

@@ -143,7 +143,7 @@ class Bench:
         import anyio
 
         from orchestrator.bench.activation_publish import describe
-        from orchestrator.config import EngineConfig
+        from orchestrator.config.run import EngineConfig
         from orchestrator.engines.inproc import InProcessEngine
         from orchestrator.model import ensure_model
 
@@ -197,7 +197,7 @@ class Bench:
         """One activation of `name` and its idle twin."""
         import anyio
 
-        from orchestrator.fleet import Fleet
+        from orchestrator.fleet.fleet import Fleet
         from transports.filesystem import version_dir
 
         settle = self.args.settle_seconds

@@ -142,9 +142,9 @@ async def end_to_end(transports: list[str], *, model: str | None = None, rounds:
 
     import anyio
 
-    from orchestrator.config import EngineConfig
+    from orchestrator.config.run import EngineConfig
     from orchestrator.engines.inproc import InProcessEngine
-    from orchestrator.fleet import Fleet, FleetTimeouts
+    from orchestrator.fleet.fleet import Fleet, FleetTimeouts
     from orchestrator.model import ensure_model
     from transports.bench.end_to_end import TrainerProcess, end_to_end_figures
 

@@ -45,7 +45,7 @@ print("RESULT " + json.dumps({"tokens": tokens, "seconds": seconds}), flush=True
 def prompts_for(model_dir: str, n: int) -> list[list[int]]:
     from transformers import AutoTokenizer
 
-    from orchestrator.config import TaskConfig
+    from orchestrator.config.run import TaskConfig
     from orchestrator.tasks import make_task
 
     task = make_task(TaskConfig(name="digits"), model_dir, tokenizer=AutoTokenizer.from_pretrained(model_dir))
@@ -69,9 +69,9 @@ def offline_rate(model_dir: str, prompts: list[list[int]], max_tokens: int, max_
 
 async def rollout_path_rate(model_dir: str, prompts: list[list[int]], max_tokens: int, max_num_seqs: int,
                             max_model_len: int, log_dir: Path) -> dict:
-    from orchestrator.config import EngineConfig
+    from orchestrator.config.run import EngineConfig
     from orchestrator.engines import make_engine
-    from orchestrator.fleet import Fleet
+    from orchestrator.fleet.fleet import Fleet
     from replay.records import SamplingSettings
 
     engine = make_engine(EngineConfig(model=model_dir, max_num_seqs=max_num_seqs, max_model_len=max_model_len,

@@ -53,7 +53,7 @@ class EchoEnvironment(Environment):
 def episode_task(model_dir: str):
     from transformers import AutoTokenizer
 
-    from orchestrator.config import TaskConfig
+    from orchestrator.config.run import TaskConfig
     from orchestrator.tasks.dataset import load_rows
     from orchestrator.tasks.episodes import environment_task
 
@@ -67,7 +67,7 @@ async def episodes_rate(bench_run, task, concurrency: int, episodes: int, chunk_
     orchestrator.bench.orchestrator.BenchRun, passed in: that module calls this one)."""
     import msgspec
 
-    from orchestrator.loop import RunLoop
+    from orchestrator.run.loop import RunLoop
 
     with tempfile.TemporaryDirectory(prefix="inflight-bench-mt-") as tmp:
         run = bench_run(Path(tmp), concurrency, episodes, tokens=TURN_TOKENS, chunk_delay_s=chunk_delay_s)

@@ -179,15 +179,15 @@ class BenchRun:
 
     def __init__(self, run_dir: Path, concurrency: int, rollouts: int, score_ms: float = 0.0,
                  tokens: int = TOKENS, pool: str = "thread", chunk_delay_s: float = 0.0) -> None:
-        from orchestrator import scheduler as sch
-        from orchestrator.config import RunConfig, RunSection, SchedulerConfig
-        from orchestrator.fleet import Fleet
-        from orchestrator.metrics import RunMetrics
-        from orchestrator.progress import Progress, ProgressState
-        from orchestrator.recording import Recorder
-        from orchestrator.resume import DispatchJournal
-        from orchestrator.scoring import make_scorer
-        from orchestrator.startup import StartupClock
+        from orchestrator.scheduling import scheduler as sch
+        from orchestrator.config.run import RunConfig, RunSection, SchedulerConfig
+        from orchestrator.fleet.fleet import Fleet
+        from orchestrator.observe.metrics import RunMetrics
+        from orchestrator.observe.progress import Progress, ProgressState
+        from orchestrator.run.recording import Recorder
+        from orchestrator.run.resume import DispatchJournal
+        from orchestrator.scoring.scorer import make_scorer
+        from orchestrator.run.startup import StartupClock
         from replay.records import PolicyIdentity, SamplingSettings
 
         group = 8
@@ -223,7 +223,7 @@ class BenchRun:
 async def orchestrator_rate(concurrency: int, rollouts: int, score_ms: float = 0.0, pool: str = "thread",
                             chunk_delay_s: float = 0.0, tokens: int = TOKENS) -> dict:
     """Rollouts/s of the real RunLoop, and the event loop thread's CPU per rollout."""
-    from orchestrator.loop import RunLoop
+    from orchestrator.run.loop import RunLoop
 
     with tempfile.TemporaryDirectory(prefix="inflight-bench-") as tmp:
         run = BenchRun(Path(tmp), concurrency, rollouts, score_ms, tokens=tokens, pool=pool,
@@ -280,7 +280,7 @@ def digits_speedup(steps: int) -> dict:
             config.write_text(f'[scheduler]\nmode = "{mode}"\n[run]\nprogress = "none"\ntensorboard = false\n'
                               f'[http]\nenabled = false\n')
             started = time.perf_counter()
-            proc = subprocess.run([sys.executable, "-m", "orchestrator.cli", "run", str(config), "--run-dir",
+            proc = subprocess.run([sys.executable, "-m", "orchestrator.commands.cli", "run", str(config), "--run-dir",
                                    str(Path(tmp) / "run"), "--max-steps", str(steps)],
                                   capture_output=True, text=True)
             if proc.returncode != 0:
@@ -347,7 +347,7 @@ async def soak(steps: int = 2000, warmup: int = 200, concurrency: int = 16, toke
     is the live statistics' columns (a few numbers per rollout, what /stats answers from)."""
     import gc
 
-    from orchestrator.loop import RunLoop
+    from orchestrator.run.loop import RunLoop
 
     marks: dict[int, int] = {}
     with tempfile.TemporaryDirectory(prefix="inflight-soak-") as tmp:
@@ -412,7 +412,7 @@ async def score_overhead_paced(rollouts: int = 2048, concurrency: int = 64, scor
 
 
 def bench_command(args: argparse.Namespace) -> int:
-    from orchestrator.logging import configure_logging
+    from orchestrator.observe.logging import configure_logging
 
     configure_logging("json", "warning")
     result = anyio.run(run_bench, args)

@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from orchestrator.config import RunConfig
+    from orchestrator.config.run import RunConfig
     from orchestrator.tasks import make_task
     from orchestrator.trainer.link import Sample
     from orchestrator.trainer.step import train_step
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _age() -> float:
-    from orchestrator.startup import process_age_s
+    from orchestrator.run.startup import process_age_s
 
     age = process_age_s()
     if age is None:

@@ -18,7 +18,7 @@ journal entry for the others; with background checkpoints, the default, the snap
 waits for), `trainer_checkpoint_write_s_background` (median seconds of a background write, off
 the critical path), `trainer_publish_s_per_step`,
 `sync_reference_generate_s_per_step`, `sync_reference_train_s_per_step`, `startup_s` (inflight's
-command start to its first rollout) and `startup` (its phases, `orchestrator.startup`). The
+command start to its first rollout) and `startup` (its phases, `orchestrator.run.startup`). The
 first row's keys are repeated at the top level. Both commands run as child processes: each time
 counts its interpreter start and imports. A reached step stops the `inflight run` (SIGINT, its
 graceful stop).
@@ -132,7 +132,7 @@ def _unix(event: dict) -> float:
 def run_inflight(config_path: Path, run_dir: Path, target: float, max_steps: int) -> dict:
     started = time.time()
     log = (run_dir.parent / f"{run_dir.name}.log").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "run", str(config_path), "--run-dir",
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.commands.cli", "run", str(config_path), "--run-dir",
                              str(run_dir), "--max-steps", str(max_steps)],
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     reached = None
@@ -203,7 +203,7 @@ def _inflight_figures(run_dir: Path, started: float, reached: dict | None) -> di
 
 def measure(name: str, args: argparse.Namespace, work: Path) -> list[dict]:
     """The workload's rows: one reference run, then one inflight run per admission."""
-    from orchestrator.config import load_config
+    from orchestrator.config.run import load_config
     from orchestrator.errors import ConfigError
     from orchestrator.model import ensure_model
 

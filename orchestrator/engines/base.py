@@ -18,23 +18,11 @@ from typing import Literal
 
 import msgspec
 
-from orchestrator.errors import ConfigError, EngineGenerateError
-from replay.errors import InvalidRecordError
+from orchestrator.errors import EngineGenerateError
 from replay.records import SamplingSettings
 
 PauseMode = Literal["abort", "wait", "keep"]
 PAUSE_MODES: tuple[str, ...] = ("abort", "wait", "keep")
-
-
-def check_sampling(sampling: SamplingSettings) -> SamplingSettings:
-    """Validate sampling settings as configuration: a bad value is a `ConfigError` naming
-    `sampling.<field>`. The type is the replay record's own (one concept, one type): what a
-    rollout record says was used is exactly what the engine was given."""
-    try:
-        return sampling.validate()
-    except InvalidRecordError as exc:
-        raise ConfigError(exc.field if exc.field.startswith("sampling.") else f"sampling.{exc.field}",
-                          exc.reason) from None
 
 
 class VersionSpan(msgspec.Struct, frozen=True, array_like=True):

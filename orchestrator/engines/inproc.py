@@ -10,7 +10,8 @@ from collections.abc import AsyncIterator, Sequence
 
 import anyio
 
-from orchestrator.config import EngineConfig
+from orchestrator.config.run import EngineConfig
+from orchestrator.config.sampling import check_sampling
 from orchestrator.engines.base import (
     PAUSE_MODES,
     AdapterRef,
@@ -18,7 +19,6 @@ from orchestrator.engines.base import (
     Engine,
     PauseMode,
     SamplingSettings,
-    check_sampling,
     TokenChunk,
     VersionSpan,
     parse_version,
@@ -29,7 +29,7 @@ from orchestrator.errors import (
     EngineGenerateError,
     EngineTimeoutError,
 )
-from orchestrator.logging import get_logger
+from orchestrator.observe.logging import get_logger
 from orchestrator.model import check_model_dir
 
 log = get_logger(__name__)

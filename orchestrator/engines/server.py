@@ -31,7 +31,8 @@ from pathlib import Path
 import anyio
 import httpx
 
-from orchestrator.config import EngineConfig
+from orchestrator.config.run import EngineConfig
+from orchestrator.config.sampling import check_sampling
 from orchestrator.engines.base import (
     PAUSE_MODES,
     AdapterRef,
@@ -39,7 +40,6 @@ from orchestrator.engines.base import (
     Engine,
     PauseMode,
     SamplingSettings,
-    check_sampling,
     TokenChunk,
     VersionSpan,
     parse_version,
@@ -50,7 +50,7 @@ from orchestrator.errors import (
     EngineGenerateError,
     EngineTimeoutError,
 )
-from orchestrator.logging import get_logger
+from orchestrator.observe.logging import get_logger
 from orchestrator.model import check_model_dir
 from orchestrator.reaper import die_with_parent
 

@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from orchestrator.config import TaskConfig
+from orchestrator.config.run import TaskConfig
 from orchestrator.errors import ConfigError
 from orchestrator.tasks.base import Prompt, Task, TaskExhausted
 from orchestrator.tasks.toy import DigitsTask, LengthTask

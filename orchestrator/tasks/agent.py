@@ -2,7 +2,7 @@
 
     async def run(client: openai.AsyncOpenAI, row: dict) -> float     (or a plain def, given openai.OpenAI)
 
-talks to the run's OpenAI-compatible endpoint (`orchestrator.agent_endpoint`) for as many turns
+talks to the run's OpenAI-compatible endpoint (`orchestrator.tasks.agent_endpoint`) for as many turns
 as it likes; every call is recorded into its episode with exact tokens, logprobs and versions,
 and the number it returns is the episode's reward.
 
@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import anyio
 
-from orchestrator.agent_endpoint import EPISODE_HEADER, SAMPLING_FIELDS, AgentEndpoint
+from orchestrator.tasks.agent_endpoint import EPISODE_HEADER, SAMPLING_FIELDS, AgentEndpoint
 from orchestrator.errors import ConfigError
 from orchestrator.tasks.base import call_maybe_async
 from orchestrator.tasks.env import DONE, Episode, Sampler

@@ -5,7 +5,7 @@ Prompts depend only on the configuration and the index, so a resumed run that co
 next index draws exactly the prompts the uninterrupted run would have drawn.
 
 Both calls do their work in `*_sync` methods that the run performs in worker threads
-(`orchestrator.scoring`): a task's code, the user's included, never runs on the event loop.
+(`orchestrator.scoring.scorer`): a task's code, the user's included, never runs on the event loop.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import anyio
 import msgspec
 
-from orchestrator.config import TaskConfig
+from orchestrator.config.run import TaskConfig
 
 
 class Prompt(msgspec.Struct, frozen=True):
@@ -47,7 +47,7 @@ class Task(abc.ABC):
         return await anyio.to_thread.run_sync(self.prompt_sync, index)
 
     async def score(self, prompt: Prompt, completion_token_ids: Sequence[int]) -> dict[str, float]:
-        """`score_sync` in a worker thread (the run bounds it with `orchestrator.scoring.Scorer`)."""
+        """`score_sync` in a worker thread (the run bounds it with `orchestrator.scoring.scorer.Scorer`)."""
         return await anyio.to_thread.run_sync(self.score_sync, prompt, completion_token_ids)
 
     def prompt_sync(self, index: int) -> Prompt:

@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import anyio
 
-from orchestrator.config import TaskConfig
+from orchestrator.config.run import TaskConfig
 from orchestrator.errors import ConfigError
 from orchestrator.tasks.base import Prompt
 from orchestrator.tasks.env import Environment, Episode, Sampler, run_episode
@@ -151,8 +151,8 @@ def checked_renderer(tokenizer, config: TaskConfig, where: str) -> TurnRenderer:
 def agent_task(run_fn, tokenizer, config: TaskConfig, *, where: str, scan: bool, rows: list[dict] | None = None,
                source=None) -> EpisodeTask:
     """The EpisodeTask of an agent `run(client, row)` (docs/agents.md): its endpoint is built
-    here; `inflight run` serves it (orchestrator/run.py)."""
-    from orchestrator.agent_endpoint import AgentEndpoint
+    here; `inflight run` serves it (orchestrator/run/run.py)."""
+    from orchestrator.tasks.agent_endpoint import AgentEndpoint
     from orchestrator.tasks.agent import AgentEpisodes
     from transports.http_common import new_token
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from orchestrator.config import TaskConfig
+from orchestrator.config.run import TaskConfig
 from orchestrator.errors import ConfigError
-from orchestrator.logging import get_logger
+from orchestrator.observe.logging import get_logger
 from orchestrator.tasks.base import Prompt, Task, TaskExhausted, call_maybe_async
 
 log = get_logger(__name__)

@@ -29,7 +29,7 @@ import importlib.util
 import math
 from collections.abc import Sequence
 
-from orchestrator.agent_endpoint import MODEL_NAME
+from orchestrator.tasks.agent_endpoint import MODEL_NAME
 from orchestrator.errors import ConfigError
 
 FIELD = "task.args.env"

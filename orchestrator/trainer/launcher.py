@@ -22,7 +22,7 @@ import anyio
 import msgspec
 
 from orchestrator.errors import InflightError
-from orchestrator.logging import get_logger
+from orchestrator.observe.logging import get_logger
 from orchestrator.reaper import die_with_parent
 from orchestrator.trainer.link import Ready, Stop, TrainerLink
 

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 
 import torch
 
-from orchestrator.config import LoraConfig
+from orchestrator.config.run import LoraConfig
 from orchestrator.errors import ConfigError
 
 # PEFT's name for the one adapter: it appears in the model's parameter names

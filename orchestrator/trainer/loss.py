@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from orchestrator.config import TrainerConfig
+from orchestrator.config.run import TrainerConfig
 
 # exp() of a log-ratio beyond this overflows nothing but says nothing more either; clamping
 # keeps a wildly stale token from turning the ppo loss into inf.

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from orchestrator.config import RunConfig, TrainerConfig
+from orchestrator.config.run import RunConfig, TrainerConfig
 from orchestrator.errors import ConfigError
 from orchestrator.trainer.ranks import Ranks
 

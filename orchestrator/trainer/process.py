@@ -36,8 +36,8 @@ from collections.abc import Sequence
 import msgspec
 import torch
 
-from orchestrator.config import RunConfig
-from orchestrator.logging import configure_logging, get_logger
+from orchestrator.config.run import RunConfig
+from orchestrator.observe.logging import configure_logging, get_logger
 from orchestrator.trainer import checkpoint, checkpoint_background, lora, step_journal
 from orchestrator.trainer.checkpoint_background import BackgroundWriter
 from orchestrator.trainer.link import (

@@ -20,7 +20,7 @@ from typing import Self
 
 import msgspec
 
-from orchestrator.config import TransportConfig
+from orchestrator.config.run import TransportConfig
 from transports.rss import reset_hwm, status_bytes
 
 

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from orchestrator.config import TransportConfig
+from orchestrator.config.run import TransportConfig
 from orchestrator.trainer import lora
 from orchestrator.trainer.publish import compare_with_files, weights_root
 from transports.adapters import COMPLETE, adapter_dir, published_adapters, write_adapter

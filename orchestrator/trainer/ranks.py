@@ -9,7 +9,7 @@ import os
 import msgspec
 import torch
 
-from orchestrator.config import TrainerConfig
+from orchestrator.config.run import TrainerConfig
 
 
 class Ranks(msgspec.Struct, frozen=True):

@@ -18,7 +18,7 @@ import msgspec
 import numpy as np
 import torch
 
-from orchestrator.config import TrainerConfig
+from orchestrator.config.run import TrainerConfig
 from orchestrator.trainer.link import Sample, unpack_f32, unpack_i32
 from orchestrator.trainer.loss import (
     PackedBatch,

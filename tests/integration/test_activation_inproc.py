@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator import activation as act
+from orchestrator.activation import coordinator as act
 from orchestrator.engines.base import SamplingSettings
-from orchestrator.fleet import Fleet
+from orchestrator.fleet.fleet import Fleet
 from tests.integration.activation_helpers import (
     PROMPTS,
     new_world,
@@ -33,7 +33,7 @@ def new_version(world) -> int:
 
 @pytest.fixture(scope="module")
 async def engine(tiny_model_dir):
-    from orchestrator.config import EngineConfig
+    from orchestrator.config.run import EngineConfig
     from orchestrator.engines.inproc import InProcessEngine
 
     e = InProcessEngine(EngineConfig(model=str(tiny_model_dir), kind="inproc", max_model_len=512, max_num_seqs=16,

@@ -16,10 +16,10 @@ import signal
 import anyio
 import pytest
 
-from orchestrator import activation as act
+from orchestrator.activation import coordinator as act
 from orchestrator.engines.base import SamplingSettings
 from orchestrator.errors import EngineGenerateError
-from orchestrator.fleet import Fleet
+from orchestrator.fleet.fleet import Fleet
 from tests.integration.activation_helpers import (
     LOAD,
     PROMPTS,
@@ -49,7 +49,7 @@ def new_version(world) -> int:
 
 @pytest.fixture(scope="module")
 async def servers(tiny_model_dir, engine_log_dir):
-    from orchestrator.config import EngineConfig
+    from orchestrator.config.run import EngineConfig
     from orchestrator.engines.server import ServerEngine
 
     config = EngineConfig(model=str(tiny_model_dir), kind="server", max_model_len=512, max_num_seqs=16,

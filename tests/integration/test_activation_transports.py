@@ -13,9 +13,9 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from orchestrator import activation as act
+from orchestrator.activation import coordinator as act
 from orchestrator.engines.base import SamplingSettings
-from orchestrator.fleet import Fleet
+from orchestrator.fleet.fleet import Fleet
 from tests.integration.activation_helpers import (
     PROMPTS,
     References,
@@ -52,7 +52,7 @@ def world(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 async def engines(tiny_model_dir):
-    from orchestrator.config import EngineConfig
+    from orchestrator.config.run import EngineConfig
     from orchestrator.engines.inproc import InProcessEngine
 
     config = EngineConfig(model=str(tiny_model_dir), kind="inproc", max_model_len=512, max_num_seqs=8,

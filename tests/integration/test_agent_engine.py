@@ -12,7 +12,7 @@ import msgspec
 import pytest
 from transformers import AutoTokenizer
 
-from orchestrator.agent_endpoint import AgentEndpoint
+from orchestrator.tasks.agent_endpoint import AgentEndpoint
 from orchestrator.engines.base import SamplingSettings
 from orchestrator.tasks.agent import AgentEpisodes, sampling_checker
 from orchestrator.tasks.env import SampledTurn

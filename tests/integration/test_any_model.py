@@ -124,7 +124,7 @@ def served_llm(trained):
 
 
 def test_a_save_pretrained_model_trains_through_inflight_run(trained):
-    from orchestrator.recording import weights_digest
+    from orchestrator.run.recording import weights_digest
 
     records = trained.records
     assert sorted(c.step for c in records if isinstance(c, ConsumptionRecord)) == list(range(1, STEPS + 1))

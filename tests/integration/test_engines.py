@@ -136,7 +136,7 @@ async def test_invalid_sampling_is_refused_naming_the_field(engine):
 
 
 async def test_killing_the_server_fails_in_flight_calls_with_a_named_error(tiny_model_dir, engine_log_dir):
-    from orchestrator.config import EngineConfig
+    from orchestrator.config.run import EngineConfig
     from orchestrator.engines.server import ServerEngine
 
     config = EngineConfig(model=str(tiny_model_dir), kind="server", chunk_timeout_s=30, control_timeout_s=10)
@@ -171,7 +171,7 @@ async def test_killing_the_server_fails_in_flight_calls_with_a_named_error(tiny_
 
 
 async def test_a_server_that_fails_to_start_shows_the_tail_of_its_log(tiny_model_dir, engine_log_dir):
-    from orchestrator.config import EngineConfig
+    from orchestrator.config.run import EngineConfig
     from orchestrator.engines.server import ServerEngine
 
     # A context longer than the model supports: vLLM refuses it at start-up and exits.
@@ -188,7 +188,7 @@ async def test_a_server_that_fails_to_start_shows_the_tail_of_its_log(tiny_model
 
 
 async def test_a_server_not_ready_in_time_is_a_timeout_and_leaves_no_process(tiny_model_dir, engine_log_dir):
-    from orchestrator.config import EngineConfig
+    from orchestrator.config.run import EngineConfig
     from orchestrator.engines.server import ServerEngine
 
     engine = ServerEngine(EngineConfig(model=str(tiny_model_dir), kind="server", start_timeout_s=2),
@@ -200,7 +200,7 @@ async def test_a_server_not_ready_in_time_is_a_timeout_and_leaves_no_process(tin
 
 
 async def test_attaching_by_url_uses_a_running_server_and_leaves_it_running(server_engine):
-    from orchestrator.config import EngineConfig
+    from orchestrator.config.run import EngineConfig
     from orchestrator.engines.server import ServerEngine
 
     attached = ServerEngine(EngineConfig(kind="server", url=server_engine.url), "attached")

@@ -13,7 +13,7 @@ pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
 
 
 def inflight(*args: str, timeout: float = 400) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "orchestrator.commands.cli", *args], capture_output=True,
                           text=True, timeout=timeout)
 
 

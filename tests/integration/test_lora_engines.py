@@ -9,12 +9,12 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from orchestrator import activation as act
-from orchestrator.config import EngineConfig
+from orchestrator.activation import coordinator as act
+from orchestrator.config.run import EngineConfig
 from orchestrator.engines.base import SamplingSettings
 from orchestrator.errors import EngineGenerateError
-from orchestrator.fleet import Fleet
-from orchestrator.fleet_adapters import AdapterStore, adapter_name
+from orchestrator.fleet.fleet import Fleet
+from orchestrator.fleet.adapters import AdapterStore, adapter_name
 from tests.integration.lora_helpers import make_adapter, reference_logprobs
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -232,9 +232,9 @@ async def test_a_corrupt_adapter_fails_the_stage_naming_the_tensor(engine, tiny_
 
 
 async def test_targets_the_engine_cannot_serve_are_refused_at_start_naming_the_field(engine, tiny_model_dir, tmp_path):
-    from orchestrator.config import LoraConfig
+    from orchestrator.config.run import LoraConfig
     from orchestrator.errors import ConfigError
-    from orchestrator.fleet_adapters import probe_targets
+    from orchestrator.fleet.adapters import probe_targets
 
     await probe_targets([engine], str(tiny_model_dir), LoraConfig(rank=8, target_modules=["q_proj", "down_proj"]),
                         tmp_path)

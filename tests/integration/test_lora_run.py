@@ -21,7 +21,7 @@ from replay.records import ActivationRecord, ConsumptionRecord, RolloutRecord
 from tests.integration.lora_helpers import reference_logprobs
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(1200)]
-INFLIGHT = [sys.executable, "-m", "orchestrator.cli"]
+INFLIGHT = [sys.executable, "-m", "orchestrator.commands.cli"]
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "lora.toml"
 
 

@@ -27,7 +27,7 @@ from replay.log import read_records
 from replay.records import ConsumptionRecord, RolloutRecord
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(900)]
-INFLIGHT = [sys.executable, "-m", "orchestrator.cli"]
+INFLIGHT = [sys.executable, "-m", "orchestrator.commands.cli"]
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "multi-turn.toml"
 STEPS = 20  # of the example's 60: the reward passes 0.5 by about step 19 (seed 0)

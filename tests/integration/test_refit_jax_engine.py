@@ -21,7 +21,7 @@ TOL = 1e-3
 @pytest.fixture(scope="module")
 async def toy_batch(tiny_model_dir):
     """Digits prompts, two completions each (digits / prose), scored by the task, GRPO advantages."""
-    from orchestrator.config import TaskConfig
+    from orchestrator.config.run import TaskConfig
     from orchestrator.tasks import make_task
     from orchestrator.trainer.loss import group_advantages
 

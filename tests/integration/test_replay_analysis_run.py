@@ -26,7 +26,7 @@ from replay.log import FsyncPolicy, ReplayLog, read_records
 from replay.records import RolloutRecord
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
-INFLIGHT = [sys.executable, "-m", "orchestrator.cli"]
+INFLIGHT = [sys.executable, "-m", "orchestrator.commands.cli"]
 
 
 @pytest.fixture(scope="session")

@@ -26,7 +26,7 @@ from replay.log import read_records
 from replay.records import ActivationRecord, ConsumptionRecord, RolloutRecord
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
-INFLIGHT = [sys.executable, "-m", "orchestrator.cli"]
+INFLIGHT = [sys.executable, "-m", "orchestrator.commands.cli"]
 
 
 def write_config(path: Path, model: Path, extra: str = "") -> Path:
@@ -99,7 +99,7 @@ def stats_json(run_dir: Path, *extra: str) -> dict:
 def check_log_invariants(run_dir: Path, steps: int) -> list:
     """Exactly one terminal record per dispatched rollout; each step consumed once; no sample
     beyond the bound; consumed rollouts completed."""
-    from orchestrator.resume import read_journal
+    from orchestrator.run.resume import read_journal
 
     records = list(read_records(run_dir))
     rollouts = [r for r in records if isinstance(r, RolloutRecord)]

@@ -19,7 +19,7 @@ async def test_an_attached_server_is_reset_to_version_0_and_one_of_another_model
     """The "earlier client" is the session's server (tests/conftest.py, started with the swap
     extension as every `inflight run` engine is); the test leaves it as it found it, at the
     base weights and label 0 (its last assertion)."""
-    from orchestrator.config import EngineConfig
+    from orchestrator.config.run import EngineConfig
     from orchestrator.engines.base import SamplingSettings
     from orchestrator.engines.server import ServerEngine
     from orchestrator.errors import ConfigError

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 
-from orchestrator.config import LoraConfig, RunConfig, TrainerConfig, TransportConfig
+from orchestrator.config.run import LoraConfig, RunConfig, TrainerConfig, TransportConfig
 from orchestrator.engines.base import SamplingSettings
 from orchestrator.trainer import checkpoint
 from orchestrator.trainer.launcher import descendants
@@ -53,7 +53,7 @@ PROBE = [5, 17, 42, 8, 23, 11, 3, 29] * 2
 
 @pytest.fixture(scope="module")
 async def engine(tiny_model_dir):
-    from orchestrator.config import EngineConfig
+    from orchestrator.config.run import EngineConfig
     from orchestrator.engines.inproc import InProcessEngine
 
     e = InProcessEngine(EngineConfig(model=str(tiny_model_dir), kind="inproc", max_model_len=256, max_num_seqs=16,
@@ -157,7 +157,7 @@ def _assert_close_weights(published: dict, reference: dict) -> None:
 @pytest.mark.timeout(600)
 async def test_three_fsdp_steps_under_torchrun_publish_into_a_live_engine_and_resume(engine, tiny_model_dir,
                                                                                     tmp_path):
-    from orchestrator.fleet import Fleet
+    from orchestrator.fleet.fleet import Fleet
     from orchestrator.trainer.launcher import TrainerProcess
     from tests.integration.activation_helpers import References, max_err
 

@@ -13,7 +13,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from orchestrator.config import RunConfig, TrainerConfig, TransportConfig
+from orchestrator.config.run import RunConfig, TrainerConfig, TransportConfig
 from orchestrator.trainer import checkpoint
 from orchestrator.trainer.link import (
     Batch,

@@ -27,7 +27,7 @@ PROMPT = [5, 17, 42, 8, 23, 11, 3, 29]
 
 @pytest.fixture(scope="module")
 async def server(tiny_model_dir, tmp_path_factory):
-    from orchestrator.config import EngineConfig
+    from orchestrator.config.run import EngineConfig
     from orchestrator.engines.server import ServerEngine
 
     # No prefix caching: a prompt's cached keys/values must not outlive the weights that made

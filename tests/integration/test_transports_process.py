@@ -154,7 +154,7 @@ def test_bench_json_on_stdout_is_pure_json(tmp_path):
     import sys
 
     result = subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", "bench", "transports", "--size", "4MiB",
+        [sys.executable, "-m", "orchestrator.commands.cli", "bench", "transports", "--size", "4MiB",
          "--tensors", "10", "--bucket", "1MiB", "--transports", "filesystem,ipc", "--rounds", "2",
          "--no-checksums", "--save", str(tmp_path / "saved.json"), "--json"],
         capture_output=True, text=True, timeout=240)

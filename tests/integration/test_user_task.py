@@ -184,7 +184,7 @@ def test_resume_after_sigkill_continues_at_the_next_dataset_row(crash_resume_run
     sys.path.insert(0, str(tmp_path))
     cwd = os.getcwd()
     try:
-        from orchestrator.config import load_config
+        from orchestrator.config.run import load_config
         from orchestrator.tasks import make_task
 
         os.chdir(tmp_path)

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 MARK = "INFLIGHT_TEST_MARK"
-INFLIGHT = [sys.executable, "-m", "orchestrator.cli"]
+INFLIGHT = [sys.executable, "-m", "orchestrator.commands.cli"]
 
 
 def marked(mark: str) -> list[tuple[int, str]]:

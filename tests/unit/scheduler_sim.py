@@ -15,8 +15,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from orchestrator.config import SchedulerConfig
-from orchestrator.scheduler import (
+from orchestrator.config.run import SchedulerConfig
+from orchestrator.scheduling.scheduler import (
     Abort,
     Discard,
     Dispatch,
@@ -27,7 +27,7 @@ from orchestrator.scheduler import (
     Terminal,
     VersionLive,
 )
-from orchestrator.scheduler_messages import majority_version
+from orchestrator.scheduling.messages import majority_version
 
 EPS = 1e-9
 

@@ -5,7 +5,7 @@ test in test_activation_coordinator.py runs this strategy too.)"""
 
 from __future__ import annotations
 
-from orchestrator.activation import (
+from orchestrator.activation.coordinator import (
     ACTIVATED,
     ROLLED_BACK,
     ActivationCoordinator,

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from orchestrator.activation import (
+from orchestrator.activation.coordinator import (
     ACTIVATED,
     ENGINE_FENCED,
     FAILED,
@@ -388,7 +388,7 @@ def test_bad_calls_are_refused():
 def test_messages_are_keyword_only_and_required_fields_have_no_default():
     import dataclasses
 
-    from orchestrator import activation_messages as msgs
+    from orchestrator.activation import messages as msgs
 
     # A missing version is a TypeError, never version 0; positional arguments are refused.
     with pytest.raises(TypeError):

@@ -12,10 +12,10 @@ import anyio
 import anyio.lowlevel
 import pytest
 
-from orchestrator import activation as act
+from orchestrator.activation import coordinator as act
 from orchestrator.engines.base import Engine, SamplingSettings, TokenChunk, VersionSpan
 from orchestrator.errors import EngineDeadError, FencedEngineError
-from orchestrator.fleet import Fleet, FleetTimeouts, Track, fleet_request_id
+from orchestrator.fleet.fleet import Fleet, FleetTimeouts, Track, fleet_request_id
 
 class ScriptedEngine(Engine):
     """Answers like an engine with `transports.swap.SwapWorkerExtension`; `hang` / `fail`

@@ -1,4 +1,4 @@
-"""The agent endpoint (orchestrator/agent_endpoint.py), the agent runner (tasks/agent.py) and the
+"""The agent endpoint (orchestrator/tasks/agent_endpoint.py), the agent runner (tasks/agent.py) and the
 verifiers adapter (tasks/verifiers.py), served by uvicorn on 127.0.0.1 and driven by the real
 `openai` client, with a scripted sampler in place of the engine (the engine's part:
 tests/integration/test_agent_engine.py). Each episode's tokens must be exactly what the sampler
@@ -18,7 +18,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from orchestrator.agent_endpoint import EPISODE_HEADER, AgentEndpoint
+from orchestrator.tasks.agent_endpoint import EPISODE_HEADER, AgentEndpoint
 from orchestrator.errors import ConfigError
 from orchestrator.tasks.agent import AgentEpisodes, AgentError, AgentTimeout, sampling_checker
 from orchestrator.tasks.env import DONE, Environment, run_episode

@@ -37,7 +37,7 @@ def test_the_references_samples_carry_their_generating_logprobs_and_end_at_the_f
 
 
 def test_the_inflight_config_holds_the_workload_and_extra_tables_override_it():
-    from orchestrator.config import RunConfig, convert
+    from orchestrator.config.run import RunConfig, convert
 
     text = _merge_toml(config_toml(Path("/m"), WORKLOADS["small"], "just_in_time"),
                        ["[trainer]\\nthreads = 2", '[scheduler]\nadmission = "eager"'])

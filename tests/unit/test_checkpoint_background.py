@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from orchestrator.config import RunConfig, TrainerConfig, TransportConfig
+from orchestrator.config.run import RunConfig, TrainerConfig, TransportConfig
 from orchestrator.errors import ConfigError
 from orchestrator.trainer import checkpoint, checkpoint_background, step_journal
 from tests.unit.test_step_journal import _assert_same_state, _state, _steps, batches  # noqa: F401 - fixture

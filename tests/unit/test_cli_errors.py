@@ -19,11 +19,11 @@ import anyio
 import msgspec
 import pytest
 
-from orchestrator import cli
-from orchestrator.config import RunConfig
+from orchestrator.commands import cli
+from orchestrator.config.run import RunConfig
 from orchestrator.errors import ConfigError, ModelError
 
-INFLIGHT = [sys.executable, "-m", "orchestrator.cli"]
+INFLIGHT = [sys.executable, "-m", "orchestrator.commands.cli"]
 
 
 def inflight(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
@@ -92,7 +92,7 @@ def test_a_setting_that_cannot_train_exits_2_naming_it(tmp_path, text, names):
 
 
 def test_publish_every_up_to_the_staleness_bound_plus_one_is_accepted():
-    from orchestrator.config import SchedulerConfig, TrainerConfig
+    from orchestrator.config.run import SchedulerConfig, TrainerConfig
 
     RunConfig(trainer=TrainerConfig(publish_every=5), scheduler=SchedulerConfig(max_off_policy_steps=4)).validate()
 
@@ -184,7 +184,7 @@ def test_resume_of_a_finished_run_says_so_and_exits_0_starting_nothing(tmp_path)
 
 
 def test_a_finished_check_never_trusts_a_checkpoint_the_log_does_not_record(tmp_path):
-    from orchestrator.preflight import finished_steps
+    from orchestrator.run.preflight import finished_steps
 
     config = RunConfig().validate()
     run_dir = stored_run(tmp_path / "run", config, 2)
@@ -201,9 +201,9 @@ def test_a_finished_check_never_trusts_a_checkpoint_the_log_does_not_record(tmp_
 def failing_stage_run(tmp_path, max_failures: int):
     """The bench's fake engine and instant trainer, with every staging refused."""
     from orchestrator.bench.orchestrator import BenchRun, fake_engine
-    from orchestrator.config import ActivationConfig
-    from orchestrator.fleet import Fleet
-    from orchestrator.loop import RunLoop
+    from orchestrator.config.run import ActivationConfig
+    from orchestrator.fleet.fleet import Fleet
+    from orchestrator.run.loop import RunLoop
 
     run = BenchRun(tmp_path, concurrency=32, rollouts=32 * 12)
     run.config = msgspec.structs.replace(run.config, activation=ActivationConfig(max_failures=max_failures))
@@ -224,7 +224,7 @@ def failing_stage_run(tmp_path, max_failures: int):
 
 @pytest.mark.timeout(120)
 async def test_activations_failing_n_times_stop_the_run_with_the_cause_and_healthz_says_degraded(tmp_path):
-    from orchestrator.run import Run, RunFailed
+    from orchestrator.run.run import Run, RunFailed
 
     run = failing_stage_run(tmp_path, max_failures=3)
     seen: list[dict] = []
@@ -270,7 +270,7 @@ async def test_a_successful_activation_clears_the_degraded_report(tmp_path):
         return await type(engine).collective_rpc(engine, method, args, kwargs, timeout)
 
     engine.collective_rpc = fail_once
-    from orchestrator.run import Run
+    from orchestrator.run.run import Run
 
     degraded = []
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.config import ActivationConfig, load_config
+from orchestrator.config.run import ActivationConfig, load_config
 from orchestrator.errors import ConfigError
-from orchestrator.fleet import Fleet
+from orchestrator.fleet.fleet import Fleet
 
 
 def write(tmp_path, text: str):

@@ -11,9 +11,9 @@ import sys
 import anyio
 import pytest
 
-from orchestrator.config import load_config
+from orchestrator.config.run import load_config
 from orchestrator.errors import ConfigError
-from orchestrator.scoring import REWARD_ERROR, REWARD_TIMEOUT, ScoreFailed, Scorer
+from orchestrator.scoring.scorer import REWARD_ERROR, REWARD_TIMEOUT, ScoreFailed, Scorer
 from orchestrator.tasks import make_task
 from orchestrator.tasks.entrypoint import search_path
 from tests.doc_snippets import snippets, write_snippets
@@ -247,7 +247,7 @@ def test_inflight_run_stops_at_start_naming_the_task_mistake(tmp_path, tiny_mode
     config = tmp_path / "c.toml"
     config.write_text(f'[engine]\nmodel = "{tiny_model_dir}"\n[run]\nmodel_preset = "tiny"\nprogress = "none"\n'
                       f'[task]\n{task_body}\n')
-    out = subprocess.run([sys.executable, "-m", "orchestrator.cli", "run", str(config), "--run-dir",
+    out = subprocess.run([sys.executable, "-m", "orchestrator.commands.cli", "run", str(config), "--run-dir",
                           str(tmp_path / "run")], capture_output=True, text=True, timeout=240, cwd=tmp_path)
     assert out.returncode == 2, out.stderr[-3000:]
     errors = [line for line in out.stderr.splitlines() if line.startswith("inflight: error:")]
@@ -273,7 +273,7 @@ async def test_a_model_without_a_chat_template_needs_chat_template_false(tmp_pat
 
     import msgspec
 
-    from orchestrator.config import TaskConfig
+    from orchestrator.config.run import TaskConfig
 
     bare = copy.deepcopy(tokenizer)
     bare.chat_template = None

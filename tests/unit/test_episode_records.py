@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from orchestrator.cli import main
+from orchestrator.commands.cli import main
 from replay.log import FsyncPolicy, ReplayLog
 from replay.records import RolloutRecord, RunMetaRecord, SamplingSettings, Timings
 from tests.unit.sample_helpers import sample_tokens
@@ -45,7 +45,7 @@ def _episode(model, gen) -> tuple[list[int], list[int], list[float], list[tuple[
 def run(tmp_path_factory, tiny_model_dir) -> Path:
     from transformers import AutoModelForCausalLM
 
-    from orchestrator.recording import policy_identity
+    from orchestrator.run.recording import policy_identity
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     gen = torch.Generator().manual_seed(0)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.config import EvalConfig, TaskConfig
+from orchestrator.config.run import EvalConfig, TaskConfig
 from orchestrator.errors import ConfigError
 from orchestrator.tasks import make_task
 
@@ -73,7 +73,7 @@ def test_an_agent_task_serves_an_endpoint_of_its_own():
 
 
 def test_a_held_out_evaluation_of_a_multi_turn_task_is_refused():
-    from orchestrator.eval import Evaluator
+    from orchestrator.run.eval import Evaluator
 
     task = make_task(TaskConfig(entrypoint=DIALOGUE), MODEL)
     with pytest.raises(ConfigError) as refused:

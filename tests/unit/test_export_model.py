@@ -1,7 +1,7 @@
 """`inflight export-model`: a run's version as a Hugging Face directory, from a run directory made
 cheaply here (the trainer's own Publisher and checkpoint code on the tiny model, no engine).
 
-Also the identity hashes the card names (`orchestrator.recording.policy_identity`): the chat
+Also the identity hashes the card names (`orchestrator.run.recording.policy_identity`): the chat
 template where transformers saves it, tokenizers without tokenizer.json, `.bin` weights.
 """
 
@@ -16,10 +16,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from orchestrator.cli import main
-from orchestrator.config import EngineConfig, RunConfig, TransportConfig
+from orchestrator.commands.cli import main
+from orchestrator.config.run import EngineConfig, RunConfig, TransportConfig
 from orchestrator.errors import ConfigError, ModelError
-from orchestrator.export_model import available_versions, export_model, read_run, resolve_version
+from orchestrator.commands.export_model import available_versions, export_model, read_run, resolve_version
 
 pytestmark = pytest.mark.timeout(300)
 RUN_ID = "0123abcd4567"
@@ -40,7 +40,7 @@ def make_run(root: Path, base: Path, steps: int = 3, keep_last: int = 2, keep_ch
     """A run directory as `inflight run` leaves it: config.json, run_id, a replay log with its
     run_meta record, published versions (the Publisher, keep_last of them) and checkpoints. The
     weights move by a seeded step each version; returns every version's state dict."""
-    from orchestrator.recording import policy_identity
+    from orchestrator.run.recording import policy_identity
     from orchestrator.trainer import checkpoint
     from orchestrator.trainer.publish import Publisher
     from replay.log import ReplayLog
@@ -126,7 +126,7 @@ def test_each_source_exports_the_versions_exact_weights(run, tiny_model_dir, tmp
 
 
 def test_the_card_names_run_version_source_base_and_identity(run, tiny_model_dir, tmp_path):
-    from orchestrator.recording import policy_identity, weights_digest
+    from orchestrator.run.recording import policy_identity, weights_digest
 
     root, _ = run
     out = tmp_path / "out"
@@ -278,7 +278,7 @@ def test_identity_hashes_the_template_transformers_loads_and_any_tokenizer_and_w
     import hashlib
     import shutil
 
-    from orchestrator.recording import chat_template_of, policy_identity, tokenizer_digest, weights_digest
+    from orchestrator.run.recording import chat_template_of, policy_identity, tokenizer_digest, weights_digest
 
     model = tmp_path / "m"
     shutil.copytree(tiny_model_dir, model)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from orchestrator import scheduler as sch
+from orchestrator.scheduling import scheduler as sch
 from orchestrator.bench.orchestrator import BenchRun, fake_engine
-from orchestrator.fleet import Fleet
-from orchestrator.loop import RunLoop, request_id
+from orchestrator.fleet.fleet import Fleet
+from orchestrator.run.loop import RunLoop, request_id
 from replay.log import read_records
 from replay.records import RolloutRecord, SamplingSettings
 

@@ -1,4 +1,4 @@
-"""Episodes through the run loop (`orchestrator/loop_episodes.py`) with the benchmark's
+"""Episodes through the run loop (`orchestrator/run/episodes.py`) with the benchmark's
 zero-latency fake engine and instant fake trainer, and injected faults: every dispatched episode
 still ends in exactly one terminal record, errored with the named kind when its environment or a
 turn fails, keeping the turns it had. Real replay log, journal, scheduler, fleet and run loop."""
@@ -12,7 +12,7 @@ import pytest
 from orchestrator.bench.multi_turn import TURNS, EchoEnvironment, episode_task
 from orchestrator.bench.orchestrator import BenchRun
 from orchestrator.errors import EngineDeadError
-from orchestrator.fleet import Fleet
+from orchestrator.fleet.fleet import Fleet
 from tests.unit.test_loop_faults import check, drive
 
 MODEL = "models/tiny-rl"
@@ -39,7 +39,7 @@ class Failing(EchoEnvironment):
 def episodic_run(tmp_path, env=None, episodes: int = 64, engines=None):
     import msgspec
 
-    from orchestrator.loop import RunLoop
+    from orchestrator.run.loop import RunLoop
 
     run = BenchRun(tmp_path, 16, episodes, tokens=32)
     task = episode_task(MODEL)
@@ -146,7 +146,7 @@ async def test_a_stop_ends_each_episode_once_with_the_turns_it_had(tmp_path, ste
 
 @pytest.mark.timeout(180)
 async def test_an_episode_whose_engine_dies_between_turns_goes_on_on_another(tmp_path):
-    from orchestrator import scheduler as sch
+    from orchestrator.scheduling import scheduler as sch
 
     dying = reporting_engine("fake-0", die_on=40)  # dies after its first 39 turns
     run = episodic_run(tmp_path, episodes=64, engines=[dying, reporting_engine("fake-1")])

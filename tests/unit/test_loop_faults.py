@@ -1,4 +1,4 @@
-"""The run loop (`orchestrator.loop.RunLoop`) with the benchmark's zero-latency fake engine and
+"""The run loop (`orchestrator.run.loop.RunLoop`) with the benchmark's zero-latency fake engine and
 instant fake trainer, and injected faults: every dispatched rollout still ends in exactly one
 terminal record, whatever stops it. Real replay log, real journal, real scheduler and fleet."""
 
@@ -9,9 +9,9 @@ import pytest
 
 from orchestrator.bench.orchestrator import TOKENS, BenchRun, fake_engine
 from orchestrator.errors import EngineGenerateError
-from orchestrator.fleet import Fleet
-from orchestrator.loop import RunLoop
-from orchestrator.resume import read_journal
+from orchestrator.fleet.fleet import Fleet
+from orchestrator.run.loop import RunLoop
+from orchestrator.run.resume import read_journal
 from replay.log import read_records
 from replay.records import ConsumptionRecord, DiscardRecord, RolloutRecord
 

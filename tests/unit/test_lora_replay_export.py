@@ -20,10 +20,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from orchestrator.cli import main
-from orchestrator.config import EngineConfig, LoraConfig, RunConfig, TrainerConfig
+from orchestrator.commands.cli import main
+from orchestrator.config.run import EngineConfig, LoraConfig, RunConfig, TrainerConfig
 from orchestrator.errors import ConfigError, ModelError
-from orchestrator.export_model import export_model
+from orchestrator.commands.export_model import export_model
 from replay.errors import AdapterError
 from replay.log import FsyncPolicy, ReplayLog, read_records
 from replay.records import ActivationRecord, EngineActivation, RolloutRecord, RunMetaRecord, SamplingSettings, Timings
@@ -87,7 +87,7 @@ def _run_config(base: Path) -> RunConfig:
 def _write_rollouts(run: Path, base: Path, models: dict, gen: torch.Generator) -> None:
     """run_meta, activations of v1 and v2, and rollouts sampled by each version (and two that
     span v1 -> v2, recomputed under v2 from the switch on)."""
-    from orchestrator.recording import policy_identity
+    from orchestrator.run.recording import policy_identity
 
     identity = policy_identity(base, "float32", "raw_logprobs")
     config = _run_config(base)
@@ -240,7 +240,7 @@ def test_verify_spans_recomputes_lora_versions_as_base_plus_adapter(world, tmp_p
 def test_export_writes_the_adapter_directory_peft_loads(world, tmp_path):
     from peft import PeftModel
 
-    from orchestrator.recording import policy_identity
+    from orchestrator.run.recording import policy_identity
 
     result = export_model(world["run"], "latest", out_dir=tmp_path / "out")
     assert (result.version, result.source, result.form) == (2, "published", "adapter")
@@ -326,7 +326,7 @@ def test_an_adapter_is_not_exported_onto_a_base_whose_weights_changed(world, tmp
     with ReplayLog.open(run) as log:  # the same run, on the copied base
         for record in records:
             if isinstance(record, RunMetaRecord):
-                from orchestrator.recording import policy_identity
+                from orchestrator.run.recording import policy_identity
 
                 record = msgspec.structs.replace(record, identity=policy_identity(base, "float32", "raw_logprobs"),
                                                  config={**record.config, "model_dir": str(base)})

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from orchestrator.cli import main
+from orchestrator.commands.cli import main
 from orchestrator.errors import ConfigError, ModelError
 from orchestrator.model import build_model, check_model_dir
 

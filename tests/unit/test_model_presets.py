@@ -84,7 +84,7 @@ def test_ensure_model_uses_a_directory_made_elsewhere_as_it_is(tmp_path):
 
 
 def test_model_init_offers_every_preset(tmp_path, capsys):
-    from orchestrator.cli import main
+    from orchestrator.commands.cli import main
 
     with pytest.raises(SystemExit):
         main(["model", "init", "--help"])

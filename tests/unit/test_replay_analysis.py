@@ -167,7 +167,7 @@ def _copy_run(world, dest: Path, transform=None) -> Path:
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], check=False, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "orchestrator.commands.cli", *args], check=False, capture_output=True,
                           text=True, timeout=400, env=env)
 
 

@@ -88,7 +88,7 @@ def test_replay_analysis_imports_neither_orchestrator_nor_transports():
 
 @pytest.mark.timeout(60)
 def test_replay_is_registered_without_heavy_imports():
-    code = ("import sys; from orchestrator.cli import build_parser; p = build_parser(); "
+    code = ("import sys; from orchestrator.commands.cli import build_parser; p = build_parser(); "
             "a = p.parse_args(['replay', 'RUN', '--target', '3', '--steps', '1:2', '--verify-spans']); "
             "b = p.parse_args(['bench', 'replay-analysis', '--json']); "
             "assert a.target == '3' and a.verify_spans and b.json; "

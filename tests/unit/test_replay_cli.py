@@ -33,7 +33,7 @@ def run_cli(argv: list[str]) -> int:
     bench_sub = sub.add_parser("bench").add_subparsers(dest="bench_command", required=True)
     cli.register(sub, bench_sub)
     args = parser.parse_args(argv)
-    # As `inflight` itself does (orchestrator.logging): log lines go to stderr, never stdout.
+    # As `inflight` itself does (orchestrator.observe.logging): log lines go to stderr, never stdout.
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(file=sys.stderr))
     try:
         return args.func(args)
@@ -188,7 +188,7 @@ def test_bench_replay_reports_ratios_and_cleans_up(tmp_path, capsys):
 
 
 def test_the_inflight_command_dispatches_stats(run_dir, capsys):
-    from orchestrator.cli import main
+    from orchestrator.commands.cli import main
 
     path, _ = run_dir
     try:

@@ -10,7 +10,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from orchestrator.config import RunConfig, load_config
+from orchestrator.config.run import RunConfig, load_config
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
 
@@ -58,7 +58,7 @@ def test_engines_tables_override_per_engine():
 def test_a_bad_key_or_value_exits_2_naming_its_dotted_path(tmp_path, text, field):
     config = tmp_path / "bad.toml"
     config.write_text(text)
-    out = subprocess.run([sys.executable, "-m", "orchestrator.cli", "run", str(config), "--run-dir",
+    out = subprocess.run([sys.executable, "-m", "orchestrator.commands.cli", "run", str(config), "--run-dir",
                           str(tmp_path / "run")], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2, out.stderr
     assert f"inflight: error: {field}" in out.stderr, out.stderr
@@ -67,6 +67,6 @@ def test_a_bad_key_or_value_exits_2_naming_its_dotted_path(tmp_path, text, field
 
 
 def test_resume_without_a_run_is_refused(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "orchestrator.cli", "run", "--run-dir", str(tmp_path / "none"),
+    out = subprocess.run([sys.executable, "-m", "orchestrator.commands.cli", "run", "--run-dir", str(tmp_path / "none"),
                           "--resume"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "--resume" in out.stderr

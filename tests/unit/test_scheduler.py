@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orchestrator.config import SchedulerConfig
-from orchestrator.scheduler import (
+from orchestrator.config.run import SchedulerConfig
+from orchestrator.scheduling.scheduler import (
     Abort,
     Discard,
     Dispatch,

@@ -15,8 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orchestrator.config import SchedulerConfig
-from orchestrator.scheduler_messages import majority_version
+from orchestrator.config.run import SchedulerConfig
+from orchestrator.scheduling.messages import majority_version
 from tests.unit.scheduler_sim import World, simulate
 
 # Engines: a CPU-like shared rate (100 or 400 tokens/s in all) or a GPU-like one (each rollout
@@ -115,7 +115,7 @@ def test_the_issues_workload_trainer_bound_just_in_time_staleness():
 def test_without_times_just_in_time_runs_one_batch_ahead():
     """Events without `at` tell nothing of time: the scheduler admits the batch the trainer needs,
     hands it over, then admits the next one, and never more."""
-    from orchestrator.scheduler import Dispatch, Finished, Scheduler, StepDone, SubmitBatch
+    from orchestrator.scheduling.scheduler import Dispatch, Finished, Scheduler, StepDone, SubmitBatch
 
     def dispatched(actions) -> list[int]:
         return [a.rollout_id for a in actions if isinstance(a, Dispatch)]
@@ -165,7 +165,7 @@ def test_refills_of_older_groups_are_dispatched_before_new_groups():
     """Dispatch order favours the oldest open groups: replacements for errored members go out
     oldest group first, before any new group (the loop sends dispatches in this order). Eager
     here, for several groups at once; just-in-time shares the code (`_refill_all`, then `_admit`)."""
-    from orchestrator.scheduler import Dispatch, EngineDown, EngineUp, Finished, Scheduler, StepDone, VersionLive
+    from orchestrator.scheduling.scheduler import Dispatch, EngineDown, EngineUp, Finished, Scheduler, StepDone, VersionLive
 
     config = SchedulerConfig(group_size=2, batch_groups=1, max_off_policy_steps=2, max_inflight=64,
                              admission="eager")
@@ -191,7 +191,7 @@ def test_refills_of_older_groups_are_dispatched_before_new_groups():
 def test_a_restored_rollout_is_judged_by_its_majority_version(staleness_by, kept):
     """On --resume a completed rollout dispatched at version 0 whose tokens were mostly sampled
     under version 2: five steps later, with a bound of 2, it is stale by dispatch, not by majority."""
-    from orchestrator.scheduler import Discard, Dispatch, RestoredGroup, RestoredRollout, Scheduler
+    from orchestrator.scheduling.scheduler import Discard, Dispatch, RestoredGroup, RestoredRollout, Scheduler
 
     config = SchedulerConfig(group_size=2, batch_groups=1, max_off_policy_steps=2, max_inflight=8,
                              staleness_by=staleness_by)

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from orchestrator.metrics import RunMetrics
+from orchestrator.observe.metrics import RunMetrics
 from replay.log import read_records
 from replay.query import ColumnBuilder, Filters, compute_stats
 from tests.unit.test_replay_query import generate_log, run_cli

@@ -1,4 +1,4 @@
-"""The process pool for scoring (orchestrator/score_pool.py): real worker processes, built by
+"""The process pool for scoring (orchestrator/scoring/pool.py): real worker processes, built by
 picklable builders from tests/score_pool_tasks.py (and one by the real `make_task`)."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import anyio
 import pytest
 
 from orchestrator.errors import ConfigError
-from orchestrator.score_pool import ScorePool
-from orchestrator.scoring import REWARD_ERROR, REWARD_TIMEOUT, ScoreFailed, Scorer, make_scorer
+from orchestrator.scoring.pool import ScorePool
+from orchestrator.scoring.scorer import REWARD_ERROR, REWARD_TIMEOUT, ScoreFailed, Scorer, make_scorer
 from tests.score_pool_tasks import CommandTask, config_error_builder, crashing_builder
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -65,7 +65,7 @@ async def _whoami(pool: ScorePool) -> int:
 async def test_scores_equal_the_thread_scorers_with_the_real_task_builder(tmp_path, tiny_model_dir):
     from transformers import AutoTokenizer
 
-    from orchestrator.config import TaskConfig
+    from orchestrator.config.run import TaskConfig
     from orchestrator.tasks import make_task
 
     data = tmp_path / "d.jsonl"
@@ -270,7 +270,7 @@ async def test_workers_ignore_sigint_in_a_group_of_their_own():
 
 async def test_workers_die_with_a_killed_orchestrator():
     code = ("import anyio, functools, sys, time\n"
-            "from orchestrator.score_pool import ScorePool\n"
+            "from orchestrator.scoring.pool import ScorePool\n"
             "from tests.score_pool_tasks import CommandTask\n"
             "async def main():\n"
             "    pool = ScorePool(functools.partial(CommandTask), workers=2, timeout_s=5, name='spt-orphan')\n"
@@ -293,7 +293,7 @@ async def test_workers_die_with_a_killed_orchestrator():
 
 
 async def test_make_scorer_builds_the_configured_kind(tmp_path):
-    from orchestrator.config import TaskConfig, load_config
+    from orchestrator.config.run import TaskConfig, load_config
 
     assert TaskConfig().score_pool == "auto" and TaskConfig().scoring_pool == "thread"  # a built-in toy
     assert TaskConfig(dataset="d.jsonl").scoring_pool == "process"  # the user's code

@@ -1,6 +1,6 @@
 """The start-up clock of `inflight run`: phases, first rollout, first batch."""
 
-from orchestrator.startup import StartupClock, process_age_s
+from orchestrator.run.startup import StartupClock, process_age_s
 
 
 def test_the_process_age_is_known_on_linux_and_counts_from_before_the_clock():

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from orchestrator.config import RunConfig, TrainerConfig, TransportConfig
+from orchestrator.config.run import RunConfig, TrainerConfig, TransportConfig
 from orchestrator.errors import ConfigError
 from orchestrator.trainer import checkpoint, step_journal
 from orchestrator.trainer.link import Batch, Sample, StepDone, pack_f32, pack_i32, unpack_f32
@@ -212,7 +212,7 @@ def test_a_lora_run_with_dropout_replays_its_journal_to_the_same_adapter(tiny_mo
     """LoRA dropout draws from the torch generator: the checkpoint restores it, and the steps
     trained again draw what they drew the first time (the adapter and Adam state equal, and
     equal to the published adapter of the last step)."""
-    from orchestrator.config import LoraConfig
+    from orchestrator.config.run import LoraConfig
     from orchestrator.trainer import lora
 
     config = RunConfig(trainer=TrainerConfig(threads=1, checkpoint_every=2, lora=LoraConfig(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.config import TaskConfig
+from orchestrator.config.run import TaskConfig
 from orchestrator.errors import ConfigError
 from orchestrator.tasks import DigitsTask, LengthTask, Prompt, make_task
 

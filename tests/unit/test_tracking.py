@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
-from orchestrator.config import RunConfig, RunSection, WandbConfig
-from orchestrator.tracking import Tracking
+from orchestrator.config.run import RunConfig, RunSection, WandbConfig
+from orchestrator.observe.tracking import Tracking
 
 
 def test_wandb_offline_and_tensorboard_get_the_field_names(tmp_path: Path, monkeypatch):

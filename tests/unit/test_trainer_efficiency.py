@@ -20,7 +20,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orchestrator.config import RunConfig, TrainerConfig, TransportConfig
+from orchestrator.config.run import RunConfig, TrainerConfig, TransportConfig
 from orchestrator.errors import ConfigError
 from orchestrator.trainer import loss as loss_module
 from orchestrator.trainer.link import Batch, Sample, StepDone, pack_f32, pack_i32

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from orchestrator.config import TrainerConfig
+from orchestrator.config.run import TrainerConfig
 from orchestrator.trainer.link import Sample, pack_f32, pack_i32
 from orchestrator.trainer.step import train_step
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from orchestrator.config import LoraConfig, RunConfig, TrainerConfig, TransportConfig
+from orchestrator.config.run import LoraConfig, RunConfig, TrainerConfig, TransportConfig
 from orchestrator.errors import ConfigError
 from orchestrator.trainer import checkpoint, lora
 from orchestrator.trainer.link import Batch, Sample, StepDone, pack_f32, pack_i32

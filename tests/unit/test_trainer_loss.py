@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from orchestrator.config import TrainerConfig
+from orchestrator.config.run import TrainerConfig
 from orchestrator.trainer.loss import (
     PackedBatch,
     completion_logprobs,
@@ -160,7 +160,7 @@ def test_tis_learns_the_digits_task_from_samples_two_versions_old(rl_model):
 def _learn(model_dir, lag: int, steps: int) -> list[float]:
     from transformers import AutoModelForCausalLM
 
-    from orchestrator.config import TaskConfig
+    from orchestrator.config.run import TaskConfig
     from orchestrator.tasks import make_task
     from orchestrator.trainer.link import Sample, pack_f32, pack_i32
     from orchestrator.trainer.process import train_step

@@ -10,7 +10,7 @@ import pytest
 
 CODE = """
 import json, os, sys, torch
-from orchestrator.config import TrainerConfig
+from orchestrator.config.run import TrainerConfig
 from orchestrator.trainer.process import pin
 tc = TrainerConfig(**json.loads(sys.argv[1])).validate()
 cpus, threads = pin(tc, int(sys.argv[2]))
@@ -44,7 +44,7 @@ def test_a_number_keeps_the_trainer_off_the_engines_core():
 
 
 def test_threads_must_be_positive_or_auto():
-    from orchestrator.config import TrainerConfig
+    from orchestrator.config.run import TrainerConfig
     from orchestrator.errors import ConfigError
 
     with pytest.raises(ConfigError, match="trainer.threads"):

@@ -112,7 +112,7 @@ def test_the_top_level_cli_exits_2_on_a_transport_error(tmp_path):
         "    raise TransportTimeoutError('waiting for an engine to connect', 1.5)\n"
         "b.run_bench = run_bench\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.getcwd()])}
-    out = subprocess.run([sys.executable, "-m", "orchestrator.cli", "bench", "transports", "--size", "1MiB",
+    out = subprocess.run([sys.executable, "-m", "orchestrator.commands.cli", "bench", "transports", "--size", "1MiB",
                           "--save", ""], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 2, out.stderr[-2000:]
     assert out.stderr.strip().splitlines()[-1].startswith("inflight: error: TransportTimeoutError: ")

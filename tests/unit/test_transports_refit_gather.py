@@ -79,7 +79,7 @@ def test_a_publish_that_does_not_gather_every_shard_is_refused(tmp_path):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from orchestrator.config import TransportConfig
+    from orchestrator.config.run import TransportConfig
     from orchestrator.trainer.publish import Publisher
 
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)

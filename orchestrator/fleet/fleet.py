@@ -1,0 +1,494 @@
+"""The thin performer around `activation.ActivationCoordinator`: it executes the coordinator's
+actions against real `Engine`s (each with a timeout), feeds the outcomes back as events, and
+tracks the fleet's in-flight requests so that every token is attributed to the weights that
+sampled it.
+
+    fleet = Fleet(engines, strategy="double_buffer", kv_policy="recompute")
+    await fleet.setup(plan_json, root)          # swap_init on every worker (transports.swap)
+    # or, any transport: await fleet.setup(plan_json, transport="http", engine_options={id: {...}})
+    completion = await fleet.generate(prompt_ids, sampling)   # routed to a serving engine
+    record = await fleet.activate(version)      # stage -> pause -> swap -> fence -> label -> resume
+
+Resume runs under a shielded cancel scope with its own limit, and `activate` ends (even when
+cancelled) by resuming every engine it paused that has not answered a resume: no engine is
+left paused. Per-token versions: vLLM's spans, corrected by each swap's report of how many
+tokens every in-flight request had at the swap (exact: the worker runs the swap between two
+forward passes). Engines must run `transports.swap.SwapWorkerExtension`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import anyio
+
+from orchestrator.activation import coordinator as act
+from orchestrator.engines.base import Engine
+from orchestrator.fleet.adapters import AdapterStaging, AdapterStore
+from orchestrator.errors import EngineDeadError, EngineError
+from orchestrator.observe.logging import get_logger
+from orchestrator.fleet.rollouts import (  # noqa: F401 - re-exported: the fleet's request half
+    ENGINE_REQUEST_PREFIX,
+    FleetCompletion,
+    RolloutStreams,
+    SwitchReport,
+    Track,
+    fleet_request_id,
+    version_salt,
+)
+
+log = get_logger(__name__)
+@dataclass(frozen=True)
+class FleetTimeouts:
+    rpc_s: float = 60.0
+    resume_limit_s: float = 30.0  # the shielded resume's own limit
+    poll_s: float = 0.02
+
+
+class Fleet(AdapterStaging, RolloutStreams):
+    def __init__(self, engines: Sequence[Engine], *, strategy: act.Strategy = "pause_swap",
+                 kv_policy: act.KvPolicy = "recompute", timeouts: act.PhaseTimeouts | None = None,
+                 fleet_timeouts: FleetTimeouts | None = None, live_version: int = 0,
+                 max_redispatch: int = 3, on_outcome=None, adapters: AdapterStore | None = None) -> None:
+        """`adapters` (with strategy "adapter"): where each version's LoRA adapter is."""
+        self.engines = {e.engine_id: e for e in engines}
+        self.init_adapters(adapters)
+        self.coordinator = act.ActivationCoordinator(list(self.engines), strategy=strategy, kv_policy=kv_policy,
+                                                     timeouts=timeouts, live_version=live_version)
+        self.ft = fleet_timeouts or FleetTimeouts()
+        self.tracks: dict[str, Track] = {}
+        # Called with every terminal outcome of `generate` (redispatched attempts included), in order;
+        # nothing is kept here: a long run's memory stays flat (the replay log is the record).
+        self.on_outcome = on_outcome
+        # The newest activation records (each is also returned and written to the replay log).
+        self.records: deque[act.Record] = deque(maxlen=64)
+        self.max_redispatch = max_redispatch
+        # Activation and rejoin both pause and resume engines: one at a time (issue: a rejoin
+        # could resume an engine that an activation had paused mid-reload).
+        self._activation_lock = anyio.Lock()
+        self._events = None  # the running activation's event stream (engine deaths join it)
+        self._deferred_aborts: dict[str, set[str]] = {}  # engine -> request ids, sent after resume
+        self._rr = itertools.count()
+        self._gates: dict[str, anyio.Event] = {}  # engines not admitting new requests (drain)
+        self._gate_waiters: dict[str, anyio.CancelScope] = {}  # request id -> its wait at a gate
+        self._paused: set[str] = set()
+        self._stage_source: dict = {}
+        self.last_stall: dict[str, float] = {}
+        # engine -> the swap report its ending rollouts wait for (see `SwitchReport`)
+        self._reports_due: dict[str, SwitchReport] = {}
+        # Prefix-cache salts during an activation (see `RolloutStreams._cache_salt`): engines
+        # whose weights may change before a request sent now is scheduled, and the version an
+        # engine was labelled with before the fleet's live version moved.
+        self._salt_unsettled: set[str] = set()
+        self._salt_version: dict[str, int] = {}
+
+    @classmethod
+    def from_config(cls, engines: Sequence[Engine], config, **kwargs) -> Fleet:
+        """A fleet whose strategy, KV policy and phase timeouts come from an ActivationConfig."""
+        config.validate()
+        return cls(engines, strategy=config.strategy, kv_policy=config.kv_policy,
+                   timeouts=config.timeouts(), **kwargs)
+
+    # -- set-up ------------------------------------------------------------------------------
+    @property
+    def strategy(self) -> str:
+        return self.coordinator.strategy
+
+    @property
+    def live_version(self) -> int:
+        return self.coordinator.live_version
+
+    def worker_strategy(self) -> str:
+        return "pause_swap" if self.strategy == "pause_swap" else "double_buffer"
+
+    async def setup(self, plan_json: str, root: str | None = None, timeout_s: float = 60.0, *,
+                    transport: str = "filesystem", engine_options: dict[str, dict] | None = None,
+                    **extra) -> None:
+        """`swap_init` on every worker. `transport`: which transport's receiver stages versions
+        (filesystem: `root`; collective, ipc, http: `engine_options[engine_id]`, exactly the
+        `options` of the trainer's `engine_init_info(i)` for that engine). Calling it again with
+        the same options keeps each worker's receiver (a collective group stays formed); new
+        options (a trainer that reconnected) rebuild it."""
+        if transport != "filesystem":
+            missing = sorted(set(self.engines) - set(engine_options or {}))
+            if missing:
+                raise ValueError(f"setup: transport {transport!r} needs engine_options for {missing}")
+        elif root is None:
+            raise ValueError("setup: the filesystem transport needs root")
+        base = {"plan": plan_json, "root": None if root is None else str(root), "strategy": self.worker_strategy(),
+                "timeout_s": timeout_s, "live_version": self.live_version, "transport": transport, **extra}
+        async with anyio.create_task_group() as tg:
+            for engine_id, engine in self.engines.items():
+                cfg = dict(base)
+                if engine_options is not None and engine_id in engine_options:
+                    cfg["options"] = engine_options[engine_id]
+                tg.start_soon(self._rpc, engine, "swap_init", json.dumps(cfg))
+
+    async def _rpc(self, engine: Engine, method: str, arg: str | None = None, timeout: float | None = None) -> dict:
+        """Call a swap method on every worker of `engine`. Every worker's answer counts: under
+        tensor parallelism a partial flip across shards must fail the phase, not hide."""
+        args = (arg,) if arg is not None else ()
+        results = await engine.collective_rpc(method, args=args, timeout=timeout or self.ft.rpc_s)
+        answers = [_as_dict(r) for r in (results if isinstance(results, list) else [results])]
+        if not answers:
+            raise RuntimeError(f"{method} on {engine.engine_id}: no worker answered")
+        first = answers[0]
+        for i, other in enumerate(answers[1:], start=1):
+            if _comparable(other) != _comparable(first):
+                raise RuntimeError(f"{method} on {engine.engine_id}: workers disagree "
+                                   f"(worker 0: {first}, worker {i}: {other})")
+        return first
+
+    async def engine_died(self, engine_id: str, error: str) -> None:
+        """An engine is gone: fence it (no new requests; its in-flight rollouts end errored).
+        During an activation the event joins it, so the coordinator decides with full state."""
+        if engine_id in self.coordinator.fenced:
+            return
+        if self._events is not None:
+            await self._events.send(act.EngineDied(engine=engine_id, at=time.monotonic(), error=error))
+            return
+        for a in self.coordinator.handle(act.EngineDied(engine=engine_id, at=time.monotonic(), error=error)):
+            if isinstance(a, act.Fence):
+                self._fence(a.engine, a.reason)
+
+    # -- activation --------------------------------------------------------------------------
+    async def activate(self, version: int, *, rollback: bool = False, source: dict | None = None) -> act.Record:
+        """Drive one activation to its record. Never leaves an engine paused. `source` goes to
+        the workers' `swap_stage` (e.g. {"base_dir": ..., "lora_dir": ...} for a LoRA adapter);
+        by default each stages `version` from the transport given to `setup` (filesystem: the
+        committed version; a push transport: what the trainer's `sync_weights()` sends)."""
+        async with self._activation_lock:
+            return await self._activate(version, rollback, source)
+
+    async def _activate(self, version: int, rollback: bool, source: dict | None) -> act.Record:
+        coord = self.coordinator
+        self._stage_source = dict(source or {})
+        send, recv = anyio.create_memory_object_stream[act.Event](1000)
+        record: act.Record | None = None
+        try:
+            self._events = send
+            async with anyio.create_task_group() as tg:
+                record = self._dispatch(tg, coord.begin(version, time.monotonic(), rollback=rollback), send)
+                while record is None:
+                    event = await recv.receive()
+                    record = self._dispatch(tg, coord.handle(event), send)
+                tg.cancel_scope.cancel()  # stragglers (a hung stage) and timers; drops are shielded
+        finally:
+            self._events = None
+            if record is None:  # cancelled (or a bug) mid-activation: end it with what is known
+                record = await self._abandon()
+            self._release_reports()
+            self._settle_salts()
+            await self._resume_leftovers()
+            await self._retire_adapters()
+            for gate in self._gates.values():
+                gate.set()
+            self._gates.clear()
+            if record is not None:
+                self.records.append(record)
+        assert record is not None
+        return record
+
+    async def _abandon(self) -> act.Record | None:
+        """The coordinator's `abandon`, performed without waiting on anything unshielded:
+        fences at once, drops shielded under their own limit (resumes follow in
+        `_resume_leftovers`). The next `activate` then starts from a coordinator at rest.
+        None when no activation was under way (`begin` refused the version)."""
+        record: act.Record | None = None
+        drops: list[act.DropStaged] = []
+        for a in self.coordinator.abandon(time.monotonic()):
+            if isinstance(a, act.Record):
+                record = a
+            elif isinstance(a, act.Fence):
+                self._fence(a.engine, a.reason)
+            elif isinstance(a, act.DropStaged):
+                drops.append(a)
+            elif isinstance(a, act.Unfence):
+                log.info("fleet.unfenced", engine=a.engine, version=a.version)
+        await self._drop_all(drops)
+        return record
+
+    async def _drop_staged(self, a: act.DropStaged) -> None:
+        if self.strategy == "adapter":
+            await self._drop_adapter(a.engine, a.version)
+        else:
+            await self._rpc(self.engines[a.engine], "swap_drop", str(a.version))
+
+    async def _drop_all(self, drops: list[act.DropStaged]) -> None:
+        """Send the drops at once, shielded under their own limit (cleanup of a cancelled
+        activation or rejoin: an unsent drop leaves a version that never went live staged)."""
+        if drops:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(self.ft.rpc_s):
+                async with anyio.create_task_group() as tg:
+                    for a in drops:
+                        tg.start_soon(self._drop_quietly, a)
+
+    async def _drop_quietly(self, a: act.DropStaged) -> None:
+        try:
+            await self._drop_staged(a)
+        except Exception as exc:  # noqa: BLE001 - a dead engine has nothing staged to keep
+            log.warning("fleet.drop_failed", engine=a.engine, version=a.version, error=str(exc))
+
+    def _dispatch(self, tg, actions: list[act.Action], send) -> act.Record | None:
+        """Starts the actions (one task per engine, its actions in order); returns the Record
+        when the actions hold one."""
+        record: act.Record | None = None
+        by_engine: dict[str, list[act.Action]] = {}
+        for a in actions:
+            if isinstance(a, act.Record):
+                record = a
+            elif isinstance(a, act.StartTimer):
+                tg.start_soon(self._timer, a, send)
+            else:
+                by_engine.setdefault(a.engine, []).append(a)
+        for engine, queue in by_engine.items():
+            tg.start_soon(self._perform_all, engine, queue, send)
+        return record
+
+    async def _timer(self, timer: act.StartTimer, send) -> None:
+        await anyio.sleep(timer.seconds)
+        await send.send(act.Timeout(engine=timer.engine, at=time.monotonic(), phase=timer.phase, token=timer.token))
+
+    async def _perform_all(self, engine_id: str, actions: list[act.Action], send) -> None:
+        for a in actions:
+            event = await self._perform(a)
+            if event is not None:
+                await send.send(event)
+
+    async def _perform(self, a: act.Action) -> act.Event | None:
+        e = a.engine
+        engine = self.engines[e]
+        now = time.monotonic
+        try:
+            if isinstance(a, act.Stage):
+                return await self._stage(engine, a)
+            if isinstance(a, act.DropStaged):
+                # Shielded like resume: the activation ends (and cancels its task group) in the
+                # same breath as it asks for the drops; an unsent drop leaves a version that
+                # never went live in the engine's shadow, where a later rollback would flip it in.
+                with anyio.CancelScope(shield=True), anyio.move_on_after(self.ft.rpc_s):
+                    await self._drop_staged(a)
+                return None
+            if isinstance(a, act.Drain):
+                self._gates.setdefault(e, anyio.Event())
+                while any(t.engine == e for t in self.tracks.values()):
+                    await anyio.sleep(self.ft.poll_s)
+                return act.Drained(engine=e, at=now())
+            if isinstance(a, act.AbortInflight):
+                for t in list(self.tracks.values()):
+                    if t.engine == e:
+                        t.aborted_by_activation = True
+                        await engine.abort(t.request_id)
+                return None
+            if isinstance(a, act.Pause):
+                self._paused.add(e)
+                self._salt_unsettled.add(e)
+                for t in self.tracks.values():
+                    if t.engine == e:
+                        t.aborted_by_activation = a.mode == "abort"
+                await engine.pause(a.mode, a.clear_cache)
+                return act.Paused(engine=e, at=now())
+            if isinstance(a, act.Swap):
+                # From here until the fleet holds this swap's report, a rollout on this engine
+                # that ends waits for it: the worker may swap, and the rollout finish (its stream
+                # ended), before the report comes back; its later tokens carry the old label.
+                self._reports_due.setdefault(e, SwitchReport(between_steps=a.between_steps))
+                self._salt_unsettled.add(e)
+                arg = json.dumps({"watch": a.between_steps})
+                result = await self._rpc(engine, "swap_rollback" if a.rollback else "swap_apply", arg)
+                requests = {fleet_request_id(k): int(v) for k, v in (result.get("requests") or {}).items()}
+                self._note_switch(e, a.version, requests)
+                if not a.between_steps:
+                    self._release_reports(e, reported=True)
+                return act.Swapped(engine=e, at=now(), version=a.version, requests=requests)
+            if isinstance(a, act.FenceCache):
+                await engine.reset_prefix_cache()
+                return act.CacheFenced(engine=e, at=now())
+            if isinstance(a, act.SetVersion):
+                await engine.set_weight_version(a.version)
+                self._salt_version[e] = a.version
+                self._salt_unsettled.discard(e)
+                requests: dict[str, int] = {}
+                if self.strategy == "pause_free":
+                    # The confirm names the requests first scheduled between the flip and the
+                    # label (on the new weights, labelled old): the second half of the report.
+                    result = await self._rpc(engine, "swap_confirm")
+                    requests = {fleet_request_id(k): int(v) for k, v in (result.get("requests") or {}).items()}
+                    self._note_switch(e, a.version, requests)
+                    self._note_prompt_cache(e, a.version, result.get("cached") or {})
+                    self._release_reports(e, reported=True)
+                return act.VersionSet(engine=e, at=now(), version=a.version, requests=requests)
+            if isinstance(a, act.Resume):
+                await self._resume(engine)
+                return act.Resumed(engine=e, at=now())
+            if isinstance(a, act.Fence):
+                self._fence(e, a.reason)
+                return None
+            if isinstance(a, act.Unfence):
+                log.info("fleet.unfenced", engine=e, version=a.version)
+                return None
+        except EngineDeadError as exc:
+            return act.EngineDied(engine=e, at=now(), error=str(exc))
+        except (EngineError, RuntimeError, ValueError, OSError) as exc:
+            step = {act.Pause: "pause", act.Swap: "swap", act.FenceCache: "fence_cache",
+                    act.SetVersion: "set_version", act.Resume: "resume", act.Drain: "drain"}.get(type(a), "stage")
+            if isinstance(a, act.Stage):
+                return act.StageFailed(engine=e, at=now(), version=a.version, error=str(exc))
+            return act.StepFailed(engine=e, at=now(), step=step, error=f"{type(exc).__name__}: {exc}")
+        return None
+
+    def _settle_salts(self) -> None:
+        """The activation ended: every engine serves (or is fenced from) the live version."""
+        self._salt_unsettled.clear()
+        self._salt_version.clear()
+
+    def _release_reports(self, engine_id: str | None = None, reported: bool = False) -> None:
+        """Wake the rollouts waiting for an engine's swap report (every engine's: the
+        activation ended, whether or not each report came)."""
+        for e in [engine_id] if engine_id is not None else list(self._reports_due):
+            due = self._reports_due.pop(e, None)
+            if due is not None:
+                due.reported = reported
+                due.arrived.set()
+
+    def _note_prompt_cache(self, engine_id: str, version: int, cached: dict[str, int]) -> None:
+        """Requests first scheduled after a pause-free flip that took prompt keys/values from
+        the prefix cache under a salt that was not the new version's: those blocks may have
+        been computed before the flip or after it, so which weights computed the prompt is
+        unknown (`version_unknown`). A salt of the new version (or a request's own) cannot
+        have matched blocks of the old weights."""
+        for worker_rid, n in cached.items():
+            track = self.tracks.get(fleet_request_id(worker_rid))
+            if track is not None and track.engine == engine_id and int(n) > 0 \
+                    and track.salt == version_salt(track.dispatched_version) \
+                    and track.dispatched_version != version:
+                track.prompt_unknown = int(n)
+
+    def _note_switch(self, engine_id: str, version: int, requests: dict[str, int]) -> None:
+        for rid, k in requests.items():
+            track = self.tracks.get(rid)
+            if track is not None and track.engine == engine_id:
+                track.switches.append((k, version))
+                policy = self.coordinator.kv_policy
+                # Without a pause nothing recomputes: a request still running after a drain (it
+                # timed out) keeps the keys/values of the old weights.
+                keeps = policy == "keep" or (policy == "drain" and not self.coordinator.pauses)
+                track.kv_mode = "keep" if keeps else policy
+
+    async def _stage(self, engine: Engine, a: act.Stage) -> act.Event:
+        if self.strategy == "adapter":
+            return await self._stage_adapter(engine, a)
+        if a.rollback:
+            state = await self._rpc(engine, "swap_live_version")
+            if state.get("shadow") is None:
+                return act.StageFailed(engine=engine.engine_id, at=time.monotonic(), version=a.version,
+                                       error="no previous version to roll back to")
+            return act.Staged(engine=engine.engine_id, at=time.monotonic(), version=a.version)
+        source = self._stage_source if a.engine not in self.coordinator.rejoining else {}
+        # No attempt: the worker stages the committed version (its COMPLETE marker and the attempt
+        # written there), whichever try of the trainer's synchronizer committed it.
+        await self._rpc(engine, "swap_stage", json.dumps({**source, "version": a.version}))
+        while True:
+            status = await self._rpc(engine, "swap_status")
+            if status.get("version") == a.version and status.get("state") == "staged":
+                return act.Staged(engine=engine.engine_id, at=time.monotonic(), version=a.version)
+            if status.get("state") == "failed":
+                return act.StageFailed(engine=engine.engine_id, at=time.monotonic(), version=a.version,
+                                       error=str(status.get("error")))
+            await anyio.sleep(self.ft.poll_s)
+
+    async def _resume(self, engine: Engine) -> None:
+        """Shielded, with its own limit: a cancelled activation still resumes the engine."""
+        with anyio.CancelScope(shield=True):
+            with anyio.fail_after(self.ft.resume_limit_s):
+                await engine.resume()
+        self._paused.discard(engine.engine_id)
+        await self._flush_deferred_aborts(engine.engine_id)
+
+    async def _resume_leftovers(self) -> None:
+        """Resume every engine still paused, all at once (a dead one must not delay the rest)."""
+        async def resume_one(e: str) -> None:
+            try:
+                with anyio.move_on_after(self.ft.resume_limit_s):
+                    await self.engines[e].resume()
+            except Exception as exc:  # noqa: BLE001 - a dead engine cannot be resumed
+                log.warning("fleet.resume_failed", engine=e, error=str(exc))
+            self._paused.discard(e)
+
+        with anyio.CancelScope(shield=True):
+            async with anyio.create_task_group() as tg:
+                for e in list(self._paused):
+                    tg.start_soon(resume_one, e)
+            for e in list(self._deferred_aborts):
+                await self._flush_deferred_aborts(e)
+
+    async def _flush_deferred_aborts(self, engine_id: str) -> None:
+        rids = self._deferred_aborts.pop(engine_id, set())
+        if rids and engine_id not in self._paused:
+            with anyio.CancelScope(shield=True):
+                await self._abort_on(engine_id, sorted(rids))
+
+    def _fence(self, engine_id: str, reason: str) -> None:
+        """No new requests; its in-flight rollouts end `errored(engine_fenced)`."""
+        log.warning("fleet.fenced", engine=engine_id, reason=reason)
+        for t in list(self.tracks.values()):
+            if t.engine == engine_id:
+                t.fenced = True
+                if t.cancel is not None:
+                    t.cancel.cancel()
+
+    def join_next(self, engine_id: str) -> None:
+        """A fenced engine comes back with the next version that goes live (see
+        `ActivationCoordinator.join_next`): the way back under a push transport, whose trainer
+        never sends the live version again. First the engine must be ready to receive (after a
+        restart: `setup` again, which keeps the other engines' receivers) and the trainer must
+        send to it again (`sync.include_engine(i)`); the next `activate` then stages, flips and
+        unfences it with the others."""
+        self.coordinator.join_next(engine_id)
+
+    async def rejoin(self, engine_id: str) -> bool:
+        """Re-sync a fenced engine to the live version; True when it serves again. (A push
+        transport never sends the live version again: use `join_next` there.)"""
+        async with self._activation_lock:
+            return await self._rejoin(engine_id)
+
+    async def _rejoin(self, engine_id: str) -> bool:
+        coord = self.coordinator
+        send, recv = anyio.create_memory_object_stream[act.Event](100)
+        done = False
+        try:
+            async with anyio.create_task_group() as tg:
+                pending = coord.rejoin(engine_id, time.monotonic())
+                while True:
+                    self._dispatch(tg, pending, send)
+                    if any(isinstance(a, act.Unfence) for a in pending) or engine_id not in coord.rejoining:
+                        done = engine_id not in coord.fenced
+                        break
+                    pending = coord.handle(await recv.receive())
+                tg.cancel_scope.cancel()
+        finally:
+            if not done:  # cancelled mid-rejoin: the engine stays fenced, and may rejoin later
+                await self._drop_all([a for a in coord.abandon_rejoin(engine_id) if isinstance(a, act.DropStaged)])
+            self._release_reports()
+            self._settle_salts()
+            await self._resume_leftovers()
+        return done
+
+
+def _as_dict(result) -> dict:
+    if isinstance(result, str):
+        try:
+            result = json.loads(result)
+        except ValueError:
+            pass
+    return result if isinstance(result, dict) else {"result": result}
+
+
+def _comparable(answer: dict) -> dict:
+    """What must agree across workers: everything but timings."""
+    return {k: v for k, v in answer.items() if k != "seconds"}

@@ -1,0 +1,454 @@
+"""`inflight run`: one anyio task group that keeps rollouts in flight while the trainer steps.
+
+    engines (Fleet) ──tokens──> rollout tasks ──Finished──> Scheduler ──actions──> perform
+    trainer ──StepDone──> consumption record, Scheduler, publish -> activator -> Fleet.activate
+    Recorder (writer thread) <── every record;  HTTP /stats /metrics /healthz;  progress
+
+The scheduler and the activation coordinator decide; this module only performs their actions
+and feeds back what happened. Every dispatched rollout ends in exactly one terminal record:
+the scheduler emits it, `perform` writes it. On SIGINT/SIGTERM (`Run._interrupts` calls
+`request_stop`) the run stops admitting, aborts what is in flight, gives every rollout its
+record within `run.shutdown_grace_s`, lets the trainer finish the step it holds, flushes the
+log, stops trainer and engines and exits 0; a second SIGINT exits 130 at once.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import anyio
+import numpy as np
+
+from orchestrator.scheduling import scheduler as sch
+from orchestrator.run.eval import run_evaluations
+from orchestrator.observe.logging import get_logger
+from orchestrator.run.episodes import episode_rollout
+from orchestrator.run.records import InFlight, consumption_record, request_id, reward_components, settled
+from orchestrator.observe.progress import StepLine
+from orchestrator.run.recording import RolloutContext, build_rollout_record
+from orchestrator.run.resume import JournalEntry
+from orchestrator.scoring.outcome import ScoreFailed
+from orchestrator.trainer.link import Batch, Failed, Sample, StepDone
+
+log = get_logger(__name__)
+
+
+class RunLoop:
+    """The running part of a run; `orchestrator.run.run.Run` sets it up and tears it down."""
+
+    def __init__(self, run) -> None:
+        self.run = run  # orchestrator.run.run.Run: config, fleet, scheduler, recorder, trainer, task, ...
+        self.inflight: dict[int, InFlight] = {}  # rollout id -> its one record while the loop holds it
+        self.prompts: dict[int, object] = {}  # group id -> its prompt, while the scheduler holds the group
+        self.batch: tuple[int, tuple[int, ...], float] | None = None
+        self.stop_requested = anyio.Event()
+        self.stop_reason = ""
+        self.failure: str | None = None
+        self.wanted_version = 0
+        self._version_wanted = anyio.Event()
+        self._tg = None
+        self._rollout_scope: anyio.CancelScope | None = None
+        self._pending_dispatch: list[sch.Dispatch] = []
+        self._dispatch_wakeup = anyio.Event()
+        # Held by an activation and by a held-out evaluation: no version goes live mid-evaluation.
+        self.activation_lock = anyio.Lock()
+        self.eval_wanted = anyio.Event()
+        self.lost_batches: list[sch.Discard] = []  # batches of a lost trainer, settled at teardown
+        self.aborting: set[int] = set()  # rollouts the scheduler asked to abort, until they end
+
+    def restore_completed(self, records: dict) -> None:
+        """Completed, unconsumed rollouts of a crashed run (resume.py): their groups are
+        restored in the scheduler, so their samples must be ready for a batch."""
+        from orchestrator.fleet.rollouts import FleetCompletion
+
+        for rid, r in records.items():
+            ctx = RolloutContext(rid, r.group_id, r.prompt_id, tuple(r.prompt_tokens().tolist()),
+                                 r.timings.dispatched_at, r.dispatched_version, r.engine_id)
+            completion = FleetCompletion(
+                str(rid), r.engine_id, list(ctx.prompt_token_ids), r.completion_tokens().tolist(),
+                r.logprobs().tolist(), r.change_points(), r.dispatched_version, r.kv_carried_across_versions,
+                "completed")
+            self.inflight[rid] = InFlight(None, r.timings.dispatched_at, ctx, completion, dict(r.rewards), r)
+
+    # -- the task group ----------------------------------------------------------------------
+    async def main(self, restored_actions: list) -> None:
+        async with anyio.create_task_group() as tg:
+            self._tg = tg
+            tg.start_soon(self._trainer_messages)
+            tg.start_soon(self._activator)
+            tg.start_soon(self._loop_lag)
+            tg.start_soon(self._dispatcher)
+            if getattr(self.run, "evaluator", None) is not None:
+                tg.start_soon(run_evaluations, self)
+            self.perform(restored_actions)
+            await self.stop_requested.wait()
+            await self._shutdown()
+            tg.cancel_scope.cancel()
+
+    def request_stop(self, reason: str, failure: str | None = None) -> None:
+        if failure and not self.failure:
+            self.failure = failure
+        if not self.stop_requested.is_set():
+            self.stop_reason = reason
+            log.info("run.stopping", reason=reason, failure=failure)
+            self.run.progress.state.status = f"stopping ({reason})"
+            self.run.progress.refresh()
+            self.stop_requested.set()
+
+    # -- performing the scheduler's actions -------------------------------------------------
+    def perform(self, actions: list) -> None:
+        for a in actions:
+            if isinstance(a, sch.Dispatch):
+                self.inflight[a.rollout_id] = InFlight(a, time.time())
+                self._pending_dispatch.append(a)
+                self._dispatch_wakeup.set()
+            elif isinstance(a, sch.Terminal):
+                self._write_terminal(a)
+            elif isinstance(a, sch.Discard):
+                self._discard(a)
+            elif isinstance(a, sch.Abort):
+                # Queued rollouts (not started) end when their worker takes them; started ones
+                # (streaming, or waiting at a drain gate) are aborted in the fleet, one call per engine.
+                self.aborting.update(rid for rid in a.rollout_ids if rid in self.inflight)
+                ids = [request_id(rid) for rid in a.rollout_ids]
+                self._tg.start_soon(self.run.fleet.abort_many, ids)
+            elif isinstance(a, sch.SubmitBatch):
+                self._submit(a)
+        self.run.metrics.inflight.set(self.run.scheduler.inflight)
+        self.run.progress.state.inflight = self.run.scheduler.inflight
+        if self.run.scheduler.exhausted:
+            self.request_stop("task exhausted")
+
+    def handle(self, event) -> None:
+        self.perform(self.run.scheduler.handle(event))
+
+    async def _dispatcher(self) -> None:
+        """Journals each batch of dispatches durably, then hands them to the rollout workers
+        (long-lived tasks, one per rollout that may be in flight: a task per rollout cost
+        about a third of the throughput in `inflight bench orchestrator`)."""
+        send, receive = anyio.create_memory_object_stream[sch.Dispatch](math.inf)
+        workers = 0
+        async with anyio.create_task_group() as rollouts:
+            self._rollout_scope = rollouts.cancel_scope
+            while True:
+                await self._dispatch_wakeup.wait()
+                self._dispatch_wakeup = anyio.Event()
+                batch, self._pending_dispatch = self._pending_dispatch, []
+                entries, started = [], []
+                for d in batch:
+                    ctx = await self._context(d.rollout_id)
+                    if d.rollout_id in self.run.scheduler.rollouts:  # not ended meanwhile (a stop)
+                        entries.append(JournalEntry(d.rollout_id, d.group_id, d.engine, d.version, ctx.dispatched_at))
+                        started.append(d)
+                await self.run.journal.append(entries)
+                while workers < min(self.run.scheduler.inflight, self.run.config.scheduler.max_inflight):
+                    rollouts.start_soon(self._worker, receive.clone())
+                    workers += 1
+                for d in started:
+                    send.send_nowait(d)
+
+    async def _worker(self, receive) -> None:
+        async with receive:
+            async for d in receive:
+                await self._rollout(d)
+
+    async def _context(self, rollout_id: int) -> RolloutContext:
+        entry = self.inflight[rollout_id]
+        if entry.ctx is None:
+            d = entry.dispatch
+            prompt = await self._prompt(d.group_id)
+            entry.ctx = RolloutContext(rollout_id, d.group_id, prompt.prompt_id, tuple(prompt.token_ids),
+                                       entry.dispatched_at, d.version, d.engine)
+        return entry.ctx
+
+    async def _prompt(self, group_id: int):
+        prompt = self.prompts.get(group_id)
+        if prompt is None:
+            prompt = self.prompts[group_id] = await self.run.task.prompt(group_id)
+        return prompt
+
+    async def _rollout(self, d: sch.Dispatch) -> None:
+        from orchestrator.errors import ActivationError, EngineError
+
+        entry = self.inflight[d.rollout_id]
+        ctx = entry.ctx
+        completion = None
+        try:
+            if self.run.scheduler.rollouts.get(d.rollout_id) is None:
+                return  # ended before it started (the run stopped): its record is written
+            if d.rollout_id in self.aborting:  # aborted while queued: no engine ever sees it
+                self._finished(d, None, "aborted", message="aborted before it was sent")
+                return
+            if getattr(self.run.task, "episodic", False):  # a multi-turn episode: loop_episodes.py
+                await episode_rollout(self, d)
+                return
+            try:
+                completion = await self.run.fleet.generate(
+                    ctx.prompt_token_ids, self.run.sampling, engine_id=d.engine,
+                    request_id=request_id(d.rollout_id), redispatch=False, final_only=True)
+            except (EngineError, ActivationError) as exc:  # fenced before it started, or no engine left
+                # Tell the scheduler first: its retry of this group must not choose the fenced
+                # engine again (least loaded, it would be chosen at once: a hot loop of errors).
+                self._engines_fenced()
+                self._finished(d, None, "errored", "engine_fenced", str(exc))
+                return
+            if completion.status == "completed":
+                try:
+                    rewards = await self.run.scorer.score(self.prompts[d.group_id], completion.token_ids)
+                except ScoreFailed as exc:  # the task's code failed on this one: it errors, the run goes on
+                    log.warning("task.score_failed", rollout=d.rollout_id, kind=exc.kind, error=exc.message)
+                    self._finished(d, completion, "errored", exc.kind, exc.message)
+                    return
+                entry.rewards = rewards
+                self._finished(d, completion, "completed")
+            elif completion.status == "dropped":
+                self._finished(d, completion, "aborted", message=completion.message)
+            else:
+                if completion.reason == "engine_died":
+                    # Down first: the retry that the errored rollout's group gets must not go to it.
+                    self.handle(sch.EngineDown(engine=completion.engine_id))
+                self._finished(d, completion, "errored", completion.reason, completion.message)
+                if completion.reason == "engine_died":
+                    await self.run.fleet.engine_died(completion.engine_id, completion.message)
+                    if not self.run.fleet.coordinator.serving:
+                        self.request_stop("no engine serves", failure="every engine died or was fenced")
+        except BaseException:
+            # Cancelled (shutdown past its grace): the scheduler already chose the drop reason.
+            self._finished(d, completion, "aborted")
+            raise
+
+    def _engines_fenced(self) -> None:
+        """Every engine the fleet fenced is down for the scheduler (an engine can be fenced
+        by an activation that was rolled back, or by a death seen during staging); with none
+        left serving, the run stops."""
+        coordinator = self.run.fleet.coordinator
+        for engine in coordinator.fenced:
+            self.handle(sch.EngineDown(engine=engine))
+        if not coordinator.serving:
+            self.request_stop("no engine serves", failure="every engine died or was fenced")
+
+    def _finished(self, d: sch.Dispatch, completion, outcome: str, kind: str = "", message: str = "") -> None:
+        if d.rollout_id not in self.run.scheduler.rollouts:
+            return
+        if completion is not None:
+            self.inflight[d.rollout_id].completion = completion
+        majority = None if completion is None else sch.majority_version(completion.changes, len(completion.token_ids))
+        self.handle(sch.Finished(rollout_id=d.rollout_id, outcome=outcome, kind=kind, message=message,
+                                 at=time.monotonic(), majority_version=majority))
+
+    def _write_terminal(self, t: sch.Terminal) -> None:
+        entry = self.inflight[t.rollout_id]  # every rollout that can end has its context (see _shutdown)
+        rewards = entry.rewards if t.status == "completed" else None
+        record = build_rollout_record(entry.ctx, t, entry.completion, rewards,
+                                      identity=self.run.identity, sampling=self.run.sampling)
+        self.run.recorder.submit(record)
+        if t.status == "completed":
+            entry.record = record  # its packed blobs become the trainer's sample
+            entry.completion = settled(entry.completion)
+        else:
+            self._forget(t.rollout_id)
+
+    def _forget(self, rollout_id: int) -> None:
+        """The one place a rollout's in-flight record is dropped; its group's prompt goes with the
+        group's last rollout (the scheduler no longer holds the group)."""
+        self.inflight.pop(rollout_id, None)
+        self.aborting.discard(rollout_id)
+        group = rollout_id // sch.ROLLOUT_ID_STRIDE
+        if group not in self.run.scheduler.groups:
+            self.prompts.pop(group, None)
+
+    def _forget_ended_groups(self) -> None:
+        """Prompts of groups the scheduler let go (consumed, dropped with no sample left)."""
+        groups = self.run.scheduler.groups
+        for group in [g for g in self.prompts if g not in groups]:
+            del self.prompts[group]
+
+    def _discard(self, a: sch.Discard) -> None:
+        from replay.records import DiscardRecord
+
+        if a.reason == sch.TRAINER_LOST:
+            # The lost trainer may have checkpointed this step before it went (then --resume
+            # recovers the step's consumption from the checkpoint): what the batch became is
+            # decided once the trainer process is gone (`settle_lost_batches`), never both.
+            self.lost_batches.append(a)
+        else:
+            self.run.recorder.submit(DiscardRecord(rollout_ids=list(a.rollout_ids), reason=a.reason, step=a.step,
+                                                   at=time.time()))
+        for rid in a.rollout_ids:
+            self._forget(rid)
+        self._forget_ended_groups()
+
+    # -- the trainer ---------------------------------------------------------------------------
+    def _sample(self, rid: int) -> Sample:
+        r = self.inflight[rid].record
+        return Sample(rollout_id=rid, group_id=r.group_id, prompt_token_ids=r.prompt_token_ids,
+                      completion_token_ids=r.completion_token_ids, logprobs=r.completion_logprobs,
+                      reward=float(r.rewards["reward"]), dispatched_version=r.dispatched_version,
+                      environment_spans=r.environment_spans)
+
+    def _submit(self, a: sch.SubmitBatch) -> None:
+        batch = Batch(step=a.step, samples=[self._sample(rid) for rid in a.rollout_ids])
+        self.batch = (a.step, a.rollout_ids, time.monotonic())
+        if self.run.startup.first_batch():
+            log.info("run.first_batch", step=a.step, seconds=round(self.run.startup.to_first_batch_s, 3))
+        self._tg.start_soon(self._send_batch, batch)
+
+    async def _send_batch(self, batch: Batch) -> None:
+        try:
+            # Exactly once: the trainer sees a sample only after its rollout record is durable (a
+            # crash between the two would otherwise leave a trained-on rollout with no record).
+            await self.run.recorder.flush()
+            await self.run.trainer.link.send(batch)
+        except Exception as exc:  # noqa: BLE001 - the trainer is gone or stuck: the run stops
+            self._trainer_lost(f"sending step {batch.step} to the trainer failed: {exc}")
+
+    async def _trainer_messages(self) -> None:
+        trainer = self.run.trainer
+        while True:
+            try:
+                message = await trainer.link.recv(1.0)
+            except TimeoutError:
+                if not trainer.alive:
+                    self._trainer_lost(f"the trainer process exited (code {trainer.process.returncode}); "
+                                       f"see {self.run.run_dir / 'trainer.log'}")
+                    return
+                if self.batch and time.monotonic() - self.batch[2] > self.run.config.trainer.step_timeout_s:
+                    self._trainer_lost(f"step {self.batch[0]} took longer than trainer.step_timeout_s")
+                    return
+                continue
+            if isinstance(message, StepDone):
+                self._step_done(message)
+            elif isinstance(message, Failed):
+                self._trainer_lost(f"the trainer failed at step {message.step}: {message.error}")
+                return
+
+    def _trainer_lost(self, why: str) -> None:
+        log.error("trainer.lost", reason=why)
+        if self.batch is not None:
+            self.handle(sch.TrainerLost(step=self.batch[0]))
+            self.batch = None
+        self.request_stop("trainer lost", failure=why)
+
+    def _step_done(self, m: StepDone) -> None:
+        if self.batch is None or self.batch[0] != m.step:
+            log.error("trainer.unexpected_step", step=m.step, holding=self.batch and self.batch[0])
+            return
+        _, rollout_ids, started = self.batch
+        self.batch = None
+        log.info("trainer.step_done", step=m.step, version=m.version, reward=m.reward_mean, loss=m.loss)
+        staleness, in_flight = [], []
+        for rid in rollout_ids:
+            c = self.inflight[rid].completion
+            staleness.append((m.step - 1) - c.dispatched_version)
+            changes = c.changes or [(0, c.dispatched_version)]
+            in_flight.append(changes[-1][1] - changes[0][1])
+        components = reward_components([self.inflight[rid].rewards for rid in rollout_ids])
+        self.run.recorder.submit(consumption_record(m, components))
+        self.run.metrics.on_step(m.step, staleness, in_flight, m.reward_mean, components)
+        self.run.tensorboard_step(m, staleness, components)
+        for rid in rollout_ids:
+            self._forget(rid)
+        self.handle(sch.StepDone(step=m.step, version=m.version, at=time.monotonic()))
+        self._forget_ended_groups()
+        self.run.progress.step(StepLine(m.step, m.reward_mean, float(np.mean(staleness)), int(max(staleness)),
+                                        self.run.metrics.tokens_per_second, self.run.fleet.live_version,
+                                        m.loss, time.monotonic() - started))
+        if m.version is not None:
+            self.wanted_version = max(self.wanted_version, m.version)
+            self._version_wanted.set()
+        if self.run.scheduler.done_steps >= self.run.max_steps:
+            self.request_stop("done")
+
+    def settle_lost_batches(self) -> None:
+        """Once the trainer process is gone: each batch it held is consumed if the trainer
+        checkpointed that step (its own account, from the checkpoint), else discarded
+        (trainer_lost): a checkpoint can no longer appear, so the two never both happen."""
+        from orchestrator.trainer.step_journal import consumption_of
+        from replay.records import DiscardRecord
+
+        for a in self.lost_batches:
+            message = consumption_of(self.run.run_dir, a.step) if a.step is not None else None
+            if message is not None and set(message.rollout_ids) == set(a.rollout_ids):
+                log.info("trainer.lost_step_checkpointed", step=a.step)
+                self.run.recorder.submit(consumption_record(message))
+            else:
+                self.run.recorder.submit(DiscardRecord(rollout_ids=list(a.rollout_ids), reason=a.reason,
+                                                       step=a.step, at=time.time()))
+        self.lost_batches.clear()
+
+    # -- activation ----------------------------------------------------------------------------
+    async def _activator(self) -> None:
+        """Activates the newest published version; a failed one is retried (newest wins), up to
+        `activation.max_failures` in a row: then the run stops with the cause. Meanwhile
+        `activation_failing` names the last failure (/healthz reports the run degraded)."""
+        fleet = self.run.fleet
+        failures = 0
+        self.activation_failing: str | None = None
+        while True:
+            await self._version_wanted.wait()
+            self._version_wanted = anyio.Event()
+            version = self.wanted_version
+            if version <= fleet.live_version:
+                continue
+            async with self.activation_lock:  # never in the middle of a held-out evaluation
+                record = await fleet.activate(version)
+            self.run.record_activation(record)
+            for eo in record.engines:
+                if eo.outcome == "engine_fenced":
+                    self.handle(sch.EngineDown(engine=eo.engine))
+            self._engines_fenced()  # also those fenced by a rolled-back activation
+            if record.outcome in ("activated", "engine_fenced"):
+                failures = 0
+                self.activation_failing = None
+                self.run.metrics.live_version.set(version)
+                self.run.progress.state.live_version = version
+                self.run.progress.state.last_activation = (
+                    f"v{version} {record.outcome} "
+                    f"(pause {max((e.pause_s for e in record.engines), default=0):.3f}s)")
+                self.handle(sch.VersionLive(version=version, at=time.monotonic()))
+                self.eval_wanted.set()
+            else:
+                failures += 1
+                log.warning("activation.failed", version=version, outcome=record.outcome, message=record.message)
+                if not fleet.coordinator.serving:
+                    self.request_stop("no engine serves", failure="every engine is fenced")
+                    return
+                cause = " | ".join(line.strip() for line in (record.message or "").splitlines() if line.strip())
+                self.activation_failing = f"version {version} {record.outcome}: {cause or 'no message'}"
+                limit = self.run.config.activation.max_failures
+                if failures >= limit:
+                    self.request_stop("activation failing", failure=(
+                        f"activation failed {failures} times in a row (activation.max_failures = {limit}); "
+                        f"last: {self.activation_failing}"))
+                    return
+                await anyio.sleep(min(30.0, 0.5 * 2 ** failures))
+                self._version_wanted.set()  # retry: the newest version wanted then
+
+    async def _loop_lag(self) -> None:
+        while True:
+            before = time.monotonic()
+            await anyio.sleep(0.25)
+            self.run.metrics.loop_lag.set(max(0.0, time.monotonic() - before - 0.25))
+
+    # -- stopping ------------------------------------------------------------------------------
+    async def _shutdown(self) -> None:
+        scheduler = self.run.scheduler
+        self.handle(sch.Stop())
+        grace = self.run.config.run.shutdown_grace_s
+        with anyio.move_on_after(grace):
+            while scheduler.rollouts:
+                await anyio.sleep(0.02)
+        if self._rollout_scope is not None:
+            self._rollout_scope.cancel()  # each cancelled rollout writes its record on the way out
+        await anyio.sleep(0)
+        for rid in list(scheduler.rollouts):  # dispatched, never started: no engine saw them
+            await self._context(rid)
+            self.handle(sch.Finished(rollout_id=rid, outcome="aborted"))
+        # The trainer finishes the step it holds (its consumption is recorded), then stops.
+        with anyio.move_on_after(self.run.config.trainer.step_timeout_s if self.stop_reason != "trainer lost" else 0):
+            while self.batch is not None and self.run.trainer.alive:
+                await anyio.sleep(0.05)
+        if self.batch is not None:
+            self.handle(sch.TrainerLost(step=self.batch[0]))
+            self.batch = None

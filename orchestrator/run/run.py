@@ -1,0 +1,473 @@
+"""Setting up and tearing down one `inflight run`: run directory, model, replay log, trainer,
+engines, fleet, scheduler, HTTP, progress; `loop.RunLoop` does the running.
+
+RUN_DIR holds:
+    config.json          the resolved configuration (every default written out)
+    replay/              the replay log (inflight stats / export read it)
+    dispatch.journal     every dispatch, durable before its request is sent (resume.py)
+    weights/vNNNNNNNN/   the retained versions (filesystem transport, keep_last)
+    trainer/step-*/      trainer checkpoints (model, optimizer, the step's consumption)
+    orchestrator.jsonl   the structured log (JSON lines); trainer.log, engine logs
+    tensorboard/         TensorBoard event files
+    http.json            the live query server's address
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import time
+import uuid
+from pathlib import Path
+
+import anyio
+import msgspec
+
+from orchestrator.scheduling import scheduler as sch
+from orchestrator.config.run import RunConfig
+from orchestrator.errors import ConfigError, InflightError
+from orchestrator.observe.logging import get_logger
+from orchestrator.run.preflight import check_model_paths, finished_steps
+from orchestrator.observe.progress import Progress, ProgressState, summary
+from orchestrator.run.startup import StartupClock
+from transports.engine_signals import ENGINE_CHILD_ENV
+
+log = get_logger(__name__)
+CONFIG_FILE = "config.json"
+
+
+class RunFailed(InflightError):
+    """The run could not go on (the trainer failed, every engine is fenced)."""
+
+
+def resolve_config(config: RunConfig | None, run_dir: Path, resume: bool) -> RunConfig:
+    """On --resume the run's own config.json is the truth (a config file given as well must be
+    the same run's: refused, naming the keys that differ); otherwise the given config (or the
+    embedded default)."""
+    from orchestrator.run.preflight import check_resume_config
+
+    stored = run_dir / CONFIG_FILE
+    if resume:
+        if not stored.exists():
+            raise ConfigError("--resume", f"{run_dir} holds no run to resume (no {CONFIG_FILE})")
+        saved = msgspec.json.decode(stored.read_bytes(), type=RunConfig).validate()
+        check_resume_config(config, saved, run_dir)
+        return saved
+    if stored.exists():
+        raise ConfigError("--run-dir", f"{run_dir} already holds a run; use --resume to continue it "
+                                       f"or choose another directory")
+    return config or RunConfig().validate()
+
+
+def run_sampling(config: RunConfig):
+    """The sampling every rollout uses, and the logprobs mode that makes the engine's sampled
+    logprobs the distribution the trainer's ratio is computed on."""
+    s = config.sampling
+    if s.top_p < 1.0 or s.top_k not in (0, -1) or getattr(s, "min_p", 0.0):
+        raise ConfigError("sampling.top_p", "inflight run trains on temperature-scaled logprobs only: "
+                                            "top_p, top_k and min_p truncate the distribution, which "
+                                            "the trainer does not replicate (leave them off)")
+    plain = s.temperature == 1.0
+    return s, ("raw_logprobs" if plain else "processed_logprobs")
+
+
+class Run:
+    def __init__(self, config: RunConfig | None, run_dir: str | Path | None, *, resume: bool = False,
+                 max_steps: int | None = None) -> None:
+        self.startup = StartupClock()
+        base = config or RunConfig().validate()
+        self.run_dir = Path(run_dir or base.run.dir.replace("{time}", time.strftime("%Y%m%d-%H%M%S"))).resolve()
+        self.resume = resume
+        self.config = resolve_config(config, self.run_dir, resume)
+        self.max_steps = max_steps or self.config.run.max_steps
+        if self.max_steps < 1:
+            raise ConfigError("--max-steps", f"must be >= 1, got {self.max_steps}")
+        check_model_paths(self.config)
+        self.sampling, self.logprobs_mode = run_sampling(self.config)
+        self.http = None
+        self.http_socket = None
+        self.progress = Progress(ProgressState(self.max_steps), self.config.run.progress)
+        self.tracking = None
+
+    # -- the whole run -------------------------------------------------------------------------
+    async def main(self) -> int:
+        from orchestrator.run.loop import RunLoop
+        from orchestrator.reaper import Reaper
+
+        if self.resume and self._already_finished():
+            return 0
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.state = "starting"
+        self._start_http()  # before any engine: a port in use fails here, named
+        if not self.resume:
+            (self.run_dir / CONFIG_FILE).write_bytes(msgspec.json.format(msgspec.json.encode(self.config)))
+        self.run_id = self._run_id()
+        self.loop = RunLoop(self)
+        # Every process started from here on dies with the run, even when this one is SIGKILLed.
+        self.reaper = Reaper.start()
+        # In-process engines' core and worker processes leave a terminal's Ctrl-C to this one,
+        # whose graceful stop records every rollout and then stops them (transports.engine_signals).
+        os.environ[ENGINE_CHILD_ENV] = "1"
+        try:
+            await self._run_with_services()
+        finally:  # (if this process dies instead, the watchdog notices and sweeps all the same)
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self.reaper.stop)
+        stats = self.recorder_stats
+        print(summary(self.progress.state, stats, str(self.run_dir), self.http and self.http.url,
+                      stopped=self.loop.stop_reason if self.loop.stop_reason not in ("", "done") else None,
+                      startup=self.startup.line()))
+        if self.loop.failure:
+            raise RunFailed(self.loop.failure)
+        return 0
+
+    async def _run_with_services(self) -> None:
+        with self.progress:
+            async with anyio.create_task_group() as services:
+                if self.http is not None:
+                    services.start_soon(self.http.serve, self.http_socket)
+                interrupts = anyio.CancelScope()
+                self._linger_over = anyio.Event()
+                try:
+                    restored_actions = await self._setup()
+                    services.start_soon(self._interrupts, interrupts)
+                    self.state = "running"
+                    if self.scheduler.done_steps < self.max_steps:
+                        await self.loop.main(restored_actions)
+                    else:  # the resume only recorded the last steps' consumption: nothing left
+                        log.info("run.already_finished", step=self.scheduler.done_steps, max_steps=self.max_steps)
+                finally:
+                    self.state = "stopping"
+                    await self._teardown()
+                self.state = "finished"
+                if self.http is not None:
+                    await self._linger()
+                    self.http.stop()
+                interrupts.cancel()
+
+    async def _interrupts(self, scope: anyio.CancelScope) -> None:
+        """From the end of set-up to the end of the run, the one receiver of SIGINT and SIGTERM
+        (during set-up a Ctrl-C interrupts it as Python does; one receiver only: a second one
+        would replace this one's handler, and closing either removes both). The first signal
+        stops the run gracefully; a SIGINT once the run is stopping (a second Ctrl-C, or one
+        during the teardown, however fast the graceful part was) exits 130 at once, and the
+        watchdog stops what is left; while the finished run lingers, either signal ends it."""
+        with scope, anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for signum in signals:
+                if self.state == "finished":
+                    self._linger_over.set()
+                elif signum == signal.SIGINT and (self.loop.stop_requested.is_set() or self.state != "running"):
+                    os._exit(130)
+                else:
+                    self.loop.request_stop(signal.Signals(signum).name)
+
+    def _already_finished(self) -> bool:
+        """A resumed run that reached its max steps says so and starts nothing."""
+        done = finished_steps(self.run_dir, self.config, self.max_steps)
+        if done is None:
+            return False
+        log.info("run.already_finished", step=done, max_steps=self.max_steps)
+        print(f"inflight: {self.run_dir} already reached step {done} (max steps {self.max_steps}): nothing to do; "
+              f"--max-steps N with N > {done} continues it")
+        return True
+
+    async def _linger(self) -> None:
+        """Keep answering /stats and /metrics over the finished, flushed log for run.linger_s."""
+        linger = self.config.run.linger_s
+        if linger <= 0:
+            return
+        log.info("run.lingering", seconds=linger, url=self.http.url)
+        with anyio.move_on_after(linger):
+            await self._linger_over.wait()  # set by `_interrupts` on SIGINT or SIGTERM
+
+    def _run_id(self) -> str:
+        path = self.run_dir / "run_id"
+        if path.exists():
+            return path.read_text().strip()
+        run_id = uuid.uuid4().hex[:12]
+        path.write_text(run_id + "\n")
+        return run_id
+
+    async def _setup(self) -> list:
+        from orchestrator.engines import make_engine
+        from orchestrator.fleet.adapters import probe_targets
+        from orchestrator.observe.metrics import RunMetrics
+        from orchestrator.model import ensure_model
+        from orchestrator.run.recording import Recorder, policy_identity
+        from orchestrator.run.resume import DispatchJournal
+        from orchestrator.scoring.scorer import make_scorer
+        from orchestrator.tasks import make_task
+        from orchestrator.tasks.entrypoint import run_search_path
+        from orchestrator.trainer.launcher import TrainerProcess
+
+        config = self.config
+        self.progress.state.status = "building the model" if not Path(config.engine.model).exists() else "starting"
+        self.progress.refresh()
+        with self.startup.phase("model"):
+            model_dir = str(await anyio.to_thread.run_sync(
+                lambda: ensure_model(config.engine.model, preset=config.run.model_preset, seed=config.run.seed)))
+        lora = config.trainer.lora
+        self.identity = policy_identity(model_dir, config.engine.dtype, self.logprobs_mode,
+                                        lora.identity if lora is not None else None)
+        self.metrics = RunMetrics()
+        self.recorder = Recorder(self.run_dir, fsync_every_records=config.run.fsync_every_records,
+                                 fsync_every_ms=config.run.fsync_every_ms, on_record=self.metrics.on_record)
+        self.journal = DispatchJournal(self.run_dir)
+        self.search_path = run_search_path(self.run_dir, getattr(self, "config_path", None))
+        with self.startup.phase("task"):
+            self.task = await anyio.to_thread.run_sync(lambda: make_task(
+                config.task, model_dir, search_path=self.search_path))
+        self._serve_agent_endpoint()
+        # A multi-turn task's reward is its episode's: no scoring pool to start.
+        pool = "thread" if getattr(self.task, "episodic", False) else config.task.scoring_pool
+        self.scorer = make_scorer(self.task, pool=pool, workers=config.task.score_workers,
+                                  timeout_s=config.task.score_timeout_s,
+                                  builder=functools.partial(make_task, config.task, model_dir,
+                                                            search_path=self.search_path, scoring_only=True))
+        self.evaluator = await self._evaluator(model_dir)
+        self.progress.state.status = "starting the trainer and engines"
+        self.progress.refresh()
+        self.trainer = TrainerProcess(config, self.run_dir, model_dir, resume=self.resume)
+        self.engines = []
+        for engine_id, engine_config in config.engine_configs():
+            engine_config = msgspec.structs.replace(engine_config, model=model_dir,
+                                                    logprobs_mode=self.logprobs_mode)
+            self.engines.append(make_engine(engine_config, engine_id, log_dir=self.run_dir))
+        ready = None
+
+        async def start_trainer() -> None:
+            nonlocal ready
+            with self.startup.phase("trainer"):
+                ready = await self.trainer.start()
+
+        async def start_scorer() -> None:
+            with self.startup.phase("scoring"):
+                await self.scorer.start()
+
+        async def start_engines() -> None:
+            with self.startup.phase("engines"):
+                async with anyio.create_task_group() as engines:
+                    for engine in self.engines:
+                        engines.start_soon(engine.start)
+
+        # Side by side: the trainer loads its model while the engines start; scoring workers
+        # build the task meanwhile.
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(start_trainer)
+            tg.start_soon(start_scorer)
+            tg.start_soon(start_engines)
+        self.fleet = _make_fleet(self.engines, config, ready.weights_root)
+        with self.startup.phase("fleet"):
+            if config.trainer.lora is None:  # adapters need no receiver in the workers
+                await self.fleet.setup(ready.plan_json, ready.weights_root, timeout_s=config.transport.timeout_s)
+            else:
+                await probe_targets(self.engines, model_dir, config.trainer.lora, self.run_dir)
+        with self.startup.phase("restore"):
+            restored = await self._restore(ready)
+            if ready.version > 0:  # resumed: serve the newest published weights before any rollout
+                record = await self.fleet.activate(ready.version)
+                self.record_activation(record)
+                if record.outcome not in ("activated", "engine_fenced"):
+                    raise RunFailed(f"could not activate version {ready.version} on resume: {record.message}")
+        self.metrics.live_version.set(self.fleet.live_version)
+        self.progress.state.live_version = self.fleet.live_version
+        self.scheduler = sch.Scheduler(config.scheduler, [e.engine_id for e in self.engines],
+                                       max_steps=self.max_steps, done_steps=ready.step,
+                                       live_version=self.fleet.live_version, published_version=ready.version,
+                                       next_group_id=restored.next_group_id, max_groups=self._max_groups())
+        self.scheduler.restore(restored.restored)
+        self._start_http()
+        self._start_tracking()
+        self.progress.state.status = "running"
+        self.startup.first_rollout()
+        log.info("run.startup", **self.startup.as_dict())
+        return self.scheduler.start(at=time.monotonic())
+
+    async def _evaluator(self, model_dir: str):
+        """The held-out evaluation ([eval] every_steps > 0), its prompts built and checked now."""
+        from orchestrator.run.eval import Evaluator
+        from orchestrator.scoring.scorer import Scorer
+        from orchestrator.tasks import make_task
+
+        config = self.config
+        if not config.eval.every_steps:
+            return None
+        task_config = config.eval.task_config(config.task)
+        task = await anyio.to_thread.run_sync(lambda: make_task(
+            task_config, model_dir, search_path=self.search_path, where="eval", tokenizer=self.task.tokenizer))
+        scorer = Scorer(task, workers=task_config.score_workers, timeout_s=task_config.score_timeout_s)
+        evaluator = Evaluator(task, scorer, config.eval, self.sampling)
+        await evaluator.load()
+        return evaluator
+
+    def _max_groups(self) -> int | None:
+        """A dataset read for a set number of epochs has that many prompts (groups)."""
+        rows, epochs = self.task.rows, self.config.task.epochs
+        return rows * epochs if rows is not None and epochs is not None else None
+
+    async def _restore(self, ready):
+        """A fresh run writes its meta record; a resumed one reconciles log, journal and trainer."""
+        from orchestrator.run.records import consumption_record, crashed_record
+        from orchestrator.run.resume import ResumeState, load_resume_state
+        from replay.log import read_records
+        from replay.records import RunMetaRecord
+
+        meta = RunMetaRecord(run_id=self.run_id, created_at=time.time(), identity=self.identity,
+                             config={**msgspec.to_builtins(self.config), "resumed": self.resume,
+                                     "model_dir": str(Path(self.config.engine.model).resolve())})
+        if not self.resume:
+            self.recorder.submit(meta)
+            return ResumeState()
+        records = await anyio.to_thread.run_sync(lambda: list(read_records(self.run_dir)))
+        self.recorder.preload(records)
+        self.recorder.submit(meta)
+        state = load_resume_state(self.run_dir, records)
+        missing = self._missed_consumptions(state, ready.step)
+        for message in missing:
+            record = consumption_record(message)
+            self.recorder.submit(record)
+            records.append(record)
+        if missing:
+            state = load_resume_state(self.run_dir, records)
+        for entry in state.lost:
+            prompt = await self.task.prompt(entry.group_id)
+            self.recorder.submit(crashed_record(entry, prompt, identity=self.identity, sampling=self.sampling))
+        self.loop.restore_completed(state.records)
+        log.info("run.resumed", step=ready.step, version=ready.version, lost=len(state.lost),
+                 restored_groups=len(state.restored), recovered_consumptions=len(missing))
+        return state
+
+    def _missed_consumptions(self, state, trainer_step: int) -> list:
+        """Steps the trainer finished after the orchestrator died: their consumption is in the
+        trainer's checkpoint or journal entry (written before the version is published)."""
+        from orchestrator.trainer.step_journal import consumption_of
+
+        out = []
+        for step in range(max(state.consumed_steps, default=0) + 1, trainer_step + 1):
+            message = consumption_of(self.run_dir, step)
+            if message is not None:
+                out.append(message)
+        return out
+
+    def record_activation(self, record) -> None:
+        from replay.records import ActivationRecord, EngineActivation
+
+        self.recorder.submit(ActivationRecord(
+            version=record.version, outcome=record.outcome,
+            engines=[EngineActivation(eo.engine, eo.transfer_s, eo.pause_s, eo.outcome) for eo in record.engines],
+            activated_at=time.time(), message=record.message[:1000], strategy=record.strategy,
+            kv_policy=record.kv_policy, kv_carried=record.kv_carried))
+        if self.tracking is not None:
+            self.tracking.activation(record)
+
+    # -- side services ---------------------------------------------------------------------------
+    def _serve_agent_endpoint(self) -> None:
+        """An agent task's OpenAI-compatible endpoint, on the run's HTTP server (docs/agents.md)."""
+        endpoint = getattr(self.task, "agent_endpoint", None)
+        if endpoint is None:
+            return
+        from orchestrator.tasks.agent import sampling_checker
+
+        if self.http is None:
+            raise ConfigError("http.enabled", "an agent task talks to the run's OpenAI-compatible endpoint, served "
+                                              "by its HTTP server: http.enabled must be true")
+        endpoint.sampling_check = sampling_checker(self.sampling)
+        self.http.app.router.routes.extend(endpoint.routes())
+        self.task.base_url = self.http.url
+
+    def _start_http(self) -> None:
+        """Bind the live query server's socket (once; `main` does it before anything starts, so
+        that a port in use fails the run at once, named). Until the replay log and metrics
+        exist, /stats and /metrics answer 503 and /healthz says "starting"."""
+        from orchestrator.observe.http import HttpServer, build_app
+
+        if not self.config.http.enabled or self.http is not None:
+            return
+        app = build_app(self._live_stats, self._live_metrics, self._health)
+        self.http = HttpServer(app, self.config.http.host, self.config.http.port, self.run_dir)
+        try:
+            self.http_socket = self.http.bind()
+        except OSError as exc:
+            raise ConfigError("http.port", f"cannot listen on {self.config.http.host}:{self.config.http.port}: "
+                                           f"{exc}") from None
+
+    def _live_stats(self, filters) -> dict | None:
+        """/stats over the live log; None (503) while the run is starting."""
+        recorder = getattr(self, "recorder", None)
+        return recorder.stats(filters) if recorder is not None else None
+
+    def _live_metrics(self) -> bytes | None:
+        metrics = getattr(self, "metrics", None)
+        return metrics.render() if metrics is not None else None
+
+    def _health(self) -> dict:
+        scheduler = getattr(self, "scheduler", None)
+        fleet = getattr(self, "fleet", None)
+        failing = getattr(getattr(self, "loop", None), "activation_failing", None)
+        health = {"ok": failing is None, "run_id": getattr(self, "run_id", None), "state": self.state,
+                  "step": scheduler.done_steps if scheduler else None,
+                  "live_version": fleet.live_version if fleet else None,
+                  "serving": list(fleet.coordinator.serving) if fleet else [],
+                  "in_flight": scheduler.inflight if scheduler else None}
+        if failing is not None:
+            health["degraded"] = f"activation failing: {failing}"
+        return health
+
+    def _start_tracking(self) -> None:
+        from orchestrator.observe.tracking import Tracking
+
+        self.tracking = Tracking(self.run_dir, self.config, self.run_id)
+
+    def tensorboard_step(self, m, staleness: list[int], components: dict[str, float] | None = None) -> None:
+        if self.tracking is not None:
+            self.tracking.step_done(m, staleness, components or {}, self.metrics.tokens_per_second)
+
+    # -- teardown --------------------------------------------------------------------------------
+    async def _teardown(self) -> None:
+        """Shielded and bounded: trainer, engines, the log (flushed), side services."""
+        with anyio.CancelScope(shield=True):
+            if getattr(self, "trainer", None) is not None:
+                await self.trainer.stop()
+            if getattr(self, "loop", None) is not None and getattr(self, "recorder", None) is not None:
+                self.loop.settle_lost_batches()  # the trainer is gone: its last step is what its checkpoint says
+            async with anyio.create_task_group() as tg:
+                for engine in getattr(self, "engines", []):
+                    tg.start_soon(_shutdown_engine, engine)
+                for scorer in (getattr(self, "scorer", None), getattr(getattr(self, "evaluator", None), "scorer", None)):
+                    if scorer is not None:
+                        tg.start_soon(scorer.aclose)
+            recorder = getattr(self, "recorder", None)
+            self.recorder_stats = {}
+            if recorder is not None:
+                try:
+                    await recorder.flush()
+                    self.recorder_stats = recorder.stats()
+                finally:
+                    await anyio.to_thread.run_sync(recorder.close)
+            if getattr(self, "journal", None) is not None:
+                self.journal.close()
+            if self.tracking is not None:
+                self.tracking.close()
+
+
+async def _shutdown_engine(engine) -> None:
+    try:
+        with anyio.move_on_after(60):
+            await engine.shutdown()
+    except Exception as exc:  # noqa: BLE001 - a dead engine has nothing left to stop
+        log.warning("engine.shutdown_failed", engine=engine.engine_id, error=str(exc))
+
+
+def _make_fleet(engines, config: RunConfig, weights_root: str):
+    """The run's fleet: a LoRA run's versions are adapters (the `adapter` strategy: requests name
+    them, nothing pauses; "drain": a request ends on the weights it began with, here without
+    waiting for it); other runs activate as `[activation]` says."""
+    from orchestrator.fleet.fleet import Fleet
+    from orchestrator.fleet.adapters import AdapterStore
+
+    lora = config.trainer.lora
+    if lora is None:
+        return Fleet.from_config(engines, config.activation)
+    store = AdapterStore(root=Path(weights_root), max_loras=lora.resident(config.scheduler.max_off_policy_steps))
+    return Fleet(engines, strategy="adapter", kv_policy="drain", timeouts=config.activation.timeouts(), adapters=store)

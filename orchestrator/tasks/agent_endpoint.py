@@ -1,0 +1,449 @@
+"""An OpenAI-compatible endpoint for agents (issue #19, docs/agents.md): any agent written against
+the `openai` client produces episodes with exact tokens, logprobs and versions.
+
+    POST /v1/chat/completions   POST /v1/completions   GET /v1/models
+
+Every call needs `Authorization: Bearer <the run's token>` (the openai client's api_key) and
+names its episode by the header `X-Inflight-Episode` or the body field `episode` (both may be
+given; they must agree). The episode is opened by the run (`open_episode`) and closed by it
+(`close_episode`): a call naming an unknown or closed episode is a 404.
+
+Token in, token out: the first call renders its messages with the chat template; a later call
+must repeat the episode's conversation so far (the model's replies as returned, compared by role
+and content) and add new user / tool / system messages, whose tokens are the template's *delta*
+(`turns.TurnRenderer.delta`) appended to the episode's exact tokens: nothing is tokenized twice.
+A call that does not extend the conversation is refused (400 naming the first message that
+differs). /v1/completions: the first prompt is tokenized; a later prompt must be the previous
+prompt + completion text exactly, and only the text it adds is tokenized.
+
+Sampling is the run's: `sampling_check(body)` refuses (ConfigError naming the field) a request
+whose sampling parameters differ from what the run samples with, so a record never claims
+settings that were not used (`tasks.agent.sampling_checker(settings)` builds one); without a
+check, any sampling parameter is refused. n != 1, streaming, top logprobs and unknown fields are
+refused. One call at a time per episode (409). A bad request is a 4xx naming the field; nothing
+a client sends stops the run. When the engine's turn fails (`sample` raises), the call gets 502
+and the episode keeps the error (`failure`), for the run to raise.
+"""
+
+from __future__ import annotations
+
+import hmac
+import itertools
+import json
+import math
+import re
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import anyio
+
+from orchestrator.errors import ConfigError
+from orchestrator.observe.logging import get_logger
+from orchestrator.tasks.env import Episode, Sampler, ToolEnvironment, _reply_text
+from orchestrator.tasks.tools import MalformedToolCall, parse_tool_calls
+from orchestrator.tasks.turns import TurnRenderer
+
+log = get_logger(__name__)
+
+EPISODE_HEADER = "X-Inflight-Episode"
+MODEL_NAME = "inflight"
+_ROLES = ("system", "user", "assistant", "tool")
+# Fields that do not change what is sampled: accepted and ignored.
+_IGNORED = {"model", "episode", "user", "metadata", "store", "parallel_tool_calls", "service_tier",
+            "prompt_cache_key", "safety_identifier", "stream_options"}
+# Fields this module reads itself (per path), beyond the prompt.
+_HANDLED = {"max_tokens", "n", "stream", "logprobs"}
+_CHAT = _HANDLED | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice"}
+_TEXT = _HANDLED | {"prompt", "echo", "suffix"}
+# Sampling parameters: what `sampling_check` judges (without one, any of them is refused).
+SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "min_tokens",
+                   "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+                   "best_of", "response_format", "reasoning_effort", "length_penalty"}
+_CALL_BLOCK = re.compile(r"<tool_call>.*?</tool_call>", re.DOTALL)
+
+
+class Refused(Exception):
+    """A request the endpoint answers with an HTTP error naming `param`."""
+
+    def __init__(self, status: int, param: str, reason: str) -> None:
+        super().__init__(f"{param}: {reason}")
+        self.status, self.param, self.reason = status, param, reason
+
+
+@dataclass
+class _Conversation:
+    """One open episode and what its calls have shown the client."""
+
+    row: dict
+    sample: Sampler
+    max_tokens_per_turn: int
+    max_episode_tokens: int | None
+    started: Callable[[Episode], None] | None
+    episode: Episode | None = None
+    kind: str | None = None  # "chat" or "completion": one kind per episode
+    seen: list[dict] = field(default_factory=list)  # chat: the conversation as returned (role, content)
+    history: list[dict] = field(default_factory=list)  # Episode.messages before the last reply
+    last_ids: list[int] = field(default_factory=list)  # the last turn's sampled ids
+    text: str = ""  # completion: prompt + completions so far, as the client sees them
+    tools: list | None = None  # chat: the first call's tools; later calls must repeat them
+    busy: bool = False
+    scope: anyio.CancelScope | None = None
+    failure: BaseException | None = None
+    closed: bool = False
+
+
+class AgentEndpoint:
+    """The routes, and the episodes open on them."""
+
+    def __init__(self, renderer: TurnRenderer, *, token: str,
+                 sampling_check: Callable[[dict], None] | None = None) -> None:
+        self.renderer = renderer
+        self.token = token  # the agents' api_key
+        self.sampling_check = sampling_check
+        self._open: dict[str, _Conversation] = {}
+
+    # -- the run's side --------------------------------------------------------------------------
+    def open_episode(self, row: dict, sample: Sampler, max_tokens_per_turn: int, *,
+                     max_episode_tokens: int | None = None,
+                     started: Callable[[Episode], None] | None = None) -> str:
+        """A fresh episode id; `started(episode)` is told the Episode at the first call."""
+        if max_tokens_per_turn < 1:
+            raise ValueError(f"max_tokens_per_turn must be >= 1, got {max_tokens_per_turn}")
+        episode_id = secrets.token_hex(12)
+        self._open[episode_id] = _Conversation(row, sample, max_tokens_per_turn, max_episode_tokens, started)
+        return episode_id
+
+    def failure(self, episode_id: str) -> BaseException | None:
+        """What `sample` raised in this episode, if it did (the episode cannot go on)."""
+        conv = self._open.get(episode_id)
+        return conv.failure if conv is not None else None
+
+    def close_episode(self, episode_id: str) -> Episode | None:
+        """The episode its calls built (None: no call came); a call in flight is cancelled, and
+        later calls naming it get 404."""
+        conv = self._open.pop(episode_id, None)
+        if conv is None:
+            return None
+        conv.closed = True
+        if conv.scope is not None:
+            conv.scope.cancel()  # the engine request is aborted; the call answers 404
+        return conv.episode
+
+    def routes(self) -> list:
+        from starlette.routing import Route
+
+        return [Route("/v1/chat/completions", self._guarded(self._chat), methods=["POST"]),
+                Route("/v1/completions", self._guarded(self._completion), methods=["POST"]),
+                Route("/v1/models", self._guarded(self._models), methods=["GET"])]
+
+    # -- requests ----------------------------------------------------------------------------------
+    def _guarded(self, handler):
+        from starlette.responses import JSONResponse
+
+        async def endpoint(request):
+            try:
+                self._authorize(request)
+                return JSONResponse(await handler(request))
+            except Refused as exc:
+                return _error(exc.status, exc.param, exc.reason)
+            except ConfigError as exc:  # a sampling check, or the template cannot extend the episode
+                return _error(400, exc.field, exc.reason)
+            except Exception as exc:  # noqa: BLE001 - nothing a client sends may stop the run
+                log.warning("agent.endpoint_error", path=request.url.path, error=f"{type(exc).__name__}: {exc}")
+                return _error(500, "request", f"{type(exc).__name__}: {exc}")
+        return endpoint
+
+    def _authorize(self, request) -> None:
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode()):
+            raise Refused(401, "Authorization", "missing or wrong token: send Authorization: Bearer <the run's "
+                                                "token> (the openai client's api_key)")
+
+    async def _models(self, request) -> dict:
+        return {"object": "list", "data": [{"id": MODEL_NAME, "object": "model", "created": 0,
+                                            "owned_by": "inflight"}]}
+
+    async def _begin(self, request, kind: str, known: set[str]) -> tuple[str, _Conversation, dict]:
+        try:
+            body = json.loads(await request.body())
+        except ValueError as exc:
+            raise Refused(400, "body", f"not JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise Refused(400, "body", f"must be a JSON object, got {type(body).__name__}")
+        episode_id = self._episode_id(request, body)
+        conv = self._open.get(episode_id)
+        if conv is None:
+            raise Refused(404, "episode", f"no open episode {episode_id!r} (never opened, or closed: its agent "
+                                          "ran past its end)")
+        if conv.busy:
+            raise Refused(409, "episode", f"episode {episode_id!r} has a call in flight: its calls go one at a time")
+        if conv.kind not in (None, kind):
+            raise Refused(400, "episode", f"episode {episode_id!r} is a {conv.kind} episode: one kind per episode")
+        if conv.failure is not None:
+            raise Refused(409, "episode", f"episode {episode_id!r} failed: {conv.failure}")
+        self._check_fields(body, known)
+        return episode_id, conv, body
+
+    def _episode_id(self, request, body: dict) -> str:
+        header, field_ = request.headers.get(EPISODE_HEADER), body.get("episode")
+        if field_ is not None and not isinstance(field_, str):
+            raise Refused(400, "episode", f"must be a string, got {type(field_).__name__}")
+        if header is not None and field_ is not None and header != field_:
+            raise Refused(400, "episode", f"the header {EPISODE_HEADER} ({header!r}) and the body field "
+                                          f"({field_!r}) name different episodes")
+        if header is None and field_ is None:
+            raise Refused(400, "episode", f"name the episode: header {EPISODE_HEADER} or body field episode")
+        return header if header is not None else field_
+
+    def _check_fields(self, body: dict, known: set[str]) -> None:
+        unknown = sorted(k for k in body if k not in known | _IGNORED | SAMPLING_FIELDS)
+        if unknown:
+            raise Refused(400, unknown[0], "not a parameter this endpoint knows; it refuses what it cannot honour")
+        if body.get("n") is not None and body["n"] != 1:
+            raise Refused(400, "n", f"must be 1, got {body['n']!r}: an episode is one conversation")
+        if body.get("stream"):
+            raise Refused(400, "stream", "streaming is not served; ask without stream")
+        for name in ("echo", "suffix"):
+            if body.get(name):
+                raise Refused(400, name, "not served")
+        if body.get("top_logprobs"):
+            raise Refused(400, "top_logprobs", "only each sampled token's own logprob is kept: ask logprobs=true")
+        given = {k: v for k, v in body.items() if k in SAMPLING_FIELDS and v is not None}
+        if given and self.sampling_check is None:
+            name = sorted(given)[0]
+            raise Refused(400, name, "this endpoint samples with the run's settings and cannot check this one")
+        if given:
+            self.sampling_check(body)
+
+    def _max_new(self, body: dict, conv: _Conversation, prompt_len: int, names: tuple[str, ...], where: str) -> int:
+        asked, name = conv.max_tokens_per_turn, names[0]
+        for name in names:
+            if body.get(name) is not None:
+                asked = body[name]
+                break
+        if isinstance(asked, bool) or not isinstance(asked, int) or asked < 1:
+            raise Refused(400, name, f"must be an integer >= 1, got {asked!r}")
+        asked = min(asked, conv.max_tokens_per_turn)
+        if conv.max_episode_tokens is not None:
+            room = conv.max_episode_tokens - prompt_len
+            if room < 1:  # worded as vLLM's: agents (verifiers) read it as "the context is full"
+                raise Refused(400, where, f"This model's maximum context length is {conv.max_episode_tokens} "
+                                          f"tokens; the episode's prompt would be {prompt_len} tokens")
+            asked = min(asked, room)
+        return asked
+
+    async def _turn(self, conv: _Conversation, prompt: list[int], max_new: int):
+        """Sample one turn; the engine's failure is the episode's (502 here, raised by the run)."""
+        scope = conv.scope = anyio.CancelScope()
+        with scope:
+            try:
+                turn = await conv.sample(list(prompt), max_new)
+                if not conv.closed:  # a closed episode is the run's now: it is not changed after
+                    conv.episode.add_sampled(turn)
+            except Exception as exc:  # noqa: BLE001 - the episode fails; the run reads failure()
+                conv.failure = exc
+                raise Refused(502, "episode", f"the engine's turn failed: {type(exc).__name__}: {exc}") from None
+        conv.scope = None
+        if scope.cancelled_caught or conv.closed:
+            raise Refused(404, "episode", "the episode was closed during this call")
+        return turn
+
+    def _open_episode(self, conv: _Conversation, messages: list[dict], prompt_ids: list[int]) -> None:
+        conv.episode = Episode(row=conv.row, messages=list(messages), prompt_ids=list(prompt_ids))
+        if conv.started is not None:
+            conv.started(conv.episode)
+
+    # -- /v1/chat/completions ------------------------------------------------------------------------
+    async def _chat(self, request) -> dict:
+        episode_id, conv, body = await self._begin(request, "chat", _CHAT)
+        messages = _messages(body.get("messages"))
+        tools = _tools(body)
+        conv.busy = True
+        try:
+            if conv.episode is None:
+                rendered, prompt = self._first_chat_prompt(messages, tools)
+                max_new = self._max_new(body, conv, len(prompt), ("max_completion_tokens", "max_tokens"), "messages")
+                self._open_episode(conv, rendered, prompt)
+                conv.kind, conv.tools = "chat", tools
+            else:
+                if tools != conv.tools:
+                    raise Refused(400, "tools", "differ from the episode's first call: the model saw those")
+                new = _extension(conv.seen, messages)
+                delta = self.renderer.delta(conv.history, conv.last_ids, new)
+                prompt = conv.episode.next_prompt() + delta
+                max_new = self._max_new(body, conv, len(prompt), ("max_completion_tokens", "max_tokens"), "messages")
+                conv.episode.add_environment(delta)
+                conv.episode.messages += new
+            history = list(conv.episode.messages)
+            turn = await self._turn(conv, prompt, max_new)
+        finally:
+            conv.busy = False
+        raw = _reply_text(self.renderer, turn.token_ids)
+        conv.history, conv.last_ids = history, list(turn.token_ids)
+        conv.episode.messages.append({"role": "assistant", "content": raw})
+        parse = bool(tools) and body.get("tool_choice") != "none"
+        content, calls = _split_tool_calls(raw, conv.episode.turns) if parse else (raw, None)
+        conv.seen = messages + [{"role": "assistant", "content": content}]
+        message = {"role": "assistant", "content": content or None, "tool_calls": calls} if calls \
+            else {"role": "assistant", "content": content}
+        finish = "tool_calls" if calls else turn.finish_reason or "stop"
+        choice = {"index": 0, "message": message, "finish_reason": finish,
+                  "logprobs": {"content": self._logprob_items(turn)} if body.get("logprobs") else None,
+                  "token_ids": list(turn.token_ids)}
+        return _reply("chat.completion", f"chatcmpl-{episode_id}-{conv.episode.turns}", body, choice,
+                      len(prompt), len(turn.token_ids))
+
+    def _first_chat_prompt(self, messages: list[dict], tools: list | None) -> tuple[list[dict], list[int]]:
+        """Turn 1's messages as rendered, and its tokens. Tools go through the template's `tools=`
+        where it renders them; else they are described in the system message, the way
+        `ToolEnvironment` does (the model must see them either way)."""
+        if not tools:
+            return messages, self.renderer.first_prompt(messages)
+        tokenizer = self.renderer.tokenizer
+        if "tools" in str(tokenizer.chat_template):
+            text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+            return messages, self.renderer.encode(text)
+        described = ToolEnvironment.system_prompt + "\nTools:\n" + "\n".join(json.dumps(t) for t in tools)
+        if messages[0]["role"] == "system":
+            rendered = [{"role": "system", "content": messages[0]["content"] + "\n\n" + described}, *messages[1:]]
+        else:
+            rendered = [{"role": "system", "content": described}, *messages]
+        return rendered, self.renderer.first_prompt(rendered)
+
+    def _logprob_items(self, turn) -> list[dict]:
+        return [{"token": text, "logprob": _finite(logprob), "bytes": list(text.encode()), "top_logprobs": []}
+                for text, logprob in zip(self._token_texts(turn), turn.logprobs)]
+
+    def _token_texts(self, turn) -> list[str]:
+        return [self.renderer.tokenizer.decode([t], skip_special_tokens=False) for t in turn.token_ids]
+
+    # -- /v1/completions ----------------------------------------------------------------------------
+    async def _completion(self, request) -> dict:
+        episode_id, conv, body = await self._begin(request, "completion", _TEXT)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        if not isinstance(prompt, str) or not prompt:
+            raise Refused(400, "prompt", "must be one non-empty string")
+        logprobs = body.get("logprobs")
+        if logprobs is not None and (isinstance(logprobs, bool) or logprobs != 0):
+            raise Refused(400, "logprobs", "only each sampled token's own logprob is kept: ask logprobs=0")
+        conv.busy = True
+        try:
+            if conv.episode is None:
+                ids = list(self.renderer.tokenizer(prompt)["input_ids"])  # as vLLM's /v1/completions: special tokens
+                max_new = self._max_new(body, conv, len(ids), ("max_tokens",), "prompt")
+                self._open_episode(conv, [], ids)
+                conv.kind, full = "completion", ids
+            else:
+                if not prompt.startswith(conv.text):
+                    at = next((i for i, (a, b) in enumerate(zip(conv.text, prompt)) if a != b), len(prompt))
+                    raise Refused(400, "prompt", f"does not extend the episode's text (prompt + completions so far) "
+                                                 f"at character {at}: a later call repeats it exactly and adds text")
+                delta = self.renderer.encode(prompt[len(conv.text):])
+                full = conv.episode.next_prompt() + delta
+                max_new = self._max_new(body, conv, len(full), ("max_tokens",), "prompt")
+                conv.episode.add_environment(delta)
+            turn = await self._turn(conv, full, max_new)
+        finally:
+            conv.busy = False
+        text = _reply_text(self.renderer, turn.token_ids)
+        conv.text, conv.last_ids = prompt + text, list(turn.token_ids)
+        choice = {"index": 0, "text": text, "finish_reason": turn.finish_reason or "stop",
+                  "logprobs": self._text_logprobs(turn) if logprobs is not None else None,
+                  "token_ids": list(turn.token_ids)}
+        return _reply("text_completion", f"cmpl-{episode_id}-{conv.episode.turns}", body, choice, len(full),
+                      len(turn.token_ids))
+
+    def _text_logprobs(self, turn) -> dict:
+        tokens = self._token_texts(turn)
+        return {"tokens": tokens, "token_logprobs": [_finite(x) for x in turn.logprobs], "top_logprobs": None,
+                "text_offset": [0, *itertools.accumulate(len(t) for t in tokens)][:len(tokens)]}
+
+
+# -- request parsing -----------------------------------------------------------------------------
+def _messages(value) -> list[dict]:
+    """The request's messages as {role, content} with text content (parts joined)."""
+    if not isinstance(value, list) or not value:
+        raise Refused(400, "messages", "must be a non-empty list of messages")
+    out = []
+    for i, m in enumerate(value):
+        if not isinstance(m, dict):
+            raise Refused(400, f"messages[{i}]", f"must be an object, got {type(m).__name__}")
+        if m.get("role") not in _ROLES:
+            raise Refused(400, f"messages[{i}].role", f"must be one of {', '.join(_ROLES)}, got {m.get('role')!r}")
+        out.append({"role": m["role"], "content": _text(m.get("content"), f"messages[{i}].content")})
+    return out
+
+
+def _text(content, where: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    raise Refused(400, where, "must be a string or a list of text parts (the model reads text only)")
+
+
+def _tools(body: dict) -> list | None:
+    tools = body.get("tools")
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+        raise Refused(400, "tools", "must be a list of tool objects")
+    if body.get("tool_choice") not in (None, "auto", "none"):
+        raise Refused(400, "tool_choice", f"only \"auto\" or \"none\": a call cannot be forced, got "
+                                          f"{body['tool_choice']!r}")
+    return tools or None
+
+
+def _extension(seen: list[dict], messages: list[dict]) -> list[dict]:
+    """The messages a later call adds to the episode's conversation (400 if it does not extend it)."""
+    for i, recorded in enumerate(seen):
+        if i >= len(messages):
+            raise Refused(400, f"messages[{i}]", f"missing: the episode's conversation has {len(seen)} messages; a "
+                                                 "later call repeats them all and adds new ones")
+        got = messages[i]
+        if (got["role"], got["content"]) != (recorded["role"], recorded["content"]):
+            raise Refused(400, f"messages[{i}]", f"differs from the episode's conversation (recorded "
+                                                 f"{recorded['role']} {recorded['content'][:60]!r}, got {got['role']} "
+                                                 f"{got['content'][:60]!r}): earlier turns are never tokenized again")
+    new = messages[len(seen):]
+    if not new:
+        raise Refused(400, "messages", "adds no message after the model's last reply")
+    for j, m in enumerate(new):
+        if m["role"] == "assistant":
+            raise Refused(400, f"messages[{len(seen) + j}].role", "a new message cannot be the assistant's: the "
+                                                                  "model's turns are the ones sampled here")
+    return new
+
+
+def _split_tool_calls(raw: str, turn: int) -> tuple[str, list[dict] | None]:
+    """The reply's text outside its tool calls, and the calls as OpenAI `tool_calls` (None when
+    it makes none or they do not parse: then the agent gets the text as it was sampled)."""
+    calls = parse_tool_calls(raw)
+    if isinstance(calls, MalformedToolCall) or not calls:
+        return raw, None
+    return _CALL_BLOCK.sub("", raw).strip(), [
+        {"id": f"call_{turn}_{k}", "type": "function",
+         "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for k, c in enumerate(calls)]
+
+
+def _reply(kind: str, reply_id: str, body: dict, choice: dict, prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"id": reply_id, "object": kind, "created": int(time.time()),
+            "model": body.get("model") if isinstance(body.get("model"), str) else MODEL_NAME, "choices": [choice],
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens}}
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None  # JSON has no -inf; the episode keeps the value itself
+
+
+def _error(status: int, param: str, reason: str):
+    from starlette.responses import JSONResponse
+
+    kind = {401: "authentication_error", 404: "not_found_error", 409: "conflict_error"}.get(
+        status, "invalid_request_error" if status < 500 else "server_error")
+    return JSONResponse({"error": {"message": f"{param}: {reason}", "type": kind, "param": param, "code": status}},
+                        status_code=status)
