@@ -19,7 +19,7 @@ makes it live. Each engine makes it live at its own moment: this mode is NOT ato
 engines (a request on one engine may sample v while another still samples v-1). Coordinated
 mode (no engines given: `create_weight_synchronizer(engines=[], engine_count=n, ...)`):
 `sync_weights()` only sends; every engine stages what arrives through its swap worker
-extension (`transports.swap`, the same staging path) and `orchestrator.fleet.Fleet.activate`
+extension (`transports.swap`, the same staging path) and `orchestrator.fleet.fleet.Fleet.activate`
 makes the version live on every engine at one instant. Colocated transports run the device
 hand-over hooks around the refit.
 """

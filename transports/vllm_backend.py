@@ -16,7 +16,7 @@ This is the simple mode, for users without a fleet: each engine makes a version 
 `finish_weight_update`, so it is NOT atomic across engines (for a while one engine samples the
 new version and another the old, and no token records which). The coordinated path receives
 through the same code (`transports.endpoint.receive_version`) from the swap worker extension's
-staging thread (`transports.swap`), and `orchestrator.fleet.Fleet.activate` flips every engine at
+staging thread (`transports.swap`), and `orchestrator.fleet.fleet.Fleet.activate` flips every engine at
 one instant.
 
 A version that fails in `update_weights` never reaches the model, so the engine keeps serving
