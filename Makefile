@@ -42,10 +42,11 @@ model: $(STAMP)
 run: model
 	$(VENV)/bin/inflight run
 
-# The tests also cover the optional JAX trainer (`.[jax]`); `make run` never installs it.
+# The tests also cover the optional JAX trainer (`.[jax]`) and the Ray cluster (`.[ray]`, run on
+# hosts built from network namespaces: Debian's iproute2); `make run` never installs them.
 JAX_STAMP := $(VENV)/.installed-jax
 $(JAX_STAMP): $(STAMP) pyproject.toml
-	$(PIP) install --quiet -e '.[test,jax]'
+	$(PIP) install --quiet -e '.[test,jax,ray]'
 	@touch $(JAX_STAMP)
 
 test: $(JAX_STAMP)

@@ -11,6 +11,8 @@
         └── FencedEngineError         the engine was fenced out of the fleet by a failed
                                       activation step; it takes no new requests until it
                                       re-synced to the live version (`Fleet.rejoin`)
+    ClusterError (InflightError)      the cluster cannot place what the run asks for (`[cluster]`):
+                                      names what was asked and what the cluster offers
     ActivationError (InflightError)   an activation could not run at all (no engine serves);
                                       a failed activation itself is not an exception: it is
                                       recorded (`activation.Record`, outcome rolled_back,
@@ -66,3 +68,7 @@ class FencedEngineError(EngineError):
 
 class ActivationError(InflightError):
     """An activation could not be attempted (e.g. every engine is fenced)."""
+
+
+class ClusterError(InflightError):
+    """The cluster cannot place what the run asks for; names what was asked and what is offered."""

@@ -9,7 +9,11 @@ JSON string argument (a server's `/collective_rpc` passes strings only) and retu
                             "ipc" | "http", "options": {...}, "root": filesystem root}.
                             `options` is what that transport's receiver needs: exactly the
                             `options` of the trainer's `engine_init_info(engine_index)` (per
-                            engine); for the filesystem, `root` is enough. A push transport's
+                            engine); for the filesystem, `root` is enough, or
+                            `"pull": {"url": ..., "token": ...}` for an engine on another host
+                            than the run directory: each committed version is mirrored over
+                            HTTP into a scratch directory of the worker's host first
+                            (`transports.pull`). A push transport's
                             receiver is built on a thread (a collective one waits for the
                             trainer's rendezvous) and kept across calls with the same options;
                             new options close it and build another.
@@ -75,6 +79,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import tempfile
 import threading
 import time
 from typing import Any
@@ -169,6 +174,8 @@ class SwapWorkerExtension(InflightWorkerExtension):
             if link is not None:
                 link.close()
             s["link"] = None
+            if config.get("pull"):  # another host's run directory: mirror versions into one of ours
+                config["root"] = s.setdefault("pull_root", tempfile.mkdtemp(prefix="inflight-pull-"))
         else:
             if s["plan"] is None:
                 raise ValueError(f"the {transport} transport needs the refit plan")
@@ -268,6 +275,7 @@ class SwapWorkerExtension(InflightWorkerExtension):
         double buffering every bucket is loaded into the shadow as it is accepted; returns
         (the staged tensors, or {} when they went to the shadow; whether they did)."""
         from transports.endpoint import make_receiver, receive_version
+        from transports.pull import mirror_version
         from transports.staging import StagingArea
 
         s = self._swap()
@@ -293,6 +301,9 @@ class SwapWorkerExtension(InflightWorkerExtension):
         try:
             link: ReceiverLink | None = s["link"]
             if link is None:
+                pull = cfg.get("pull")
+                if pull:  # committed versions only: the mirror waits for COMPLETE, bounded
+                    mirror_version(pull["url"], pull["token"], version, cfg["root"], timeout_s)
                 receiver = make_receiver("filesystem", plan, {"root": cfg["root"], "timeout_s": timeout_s})
                 try:
                     if attempt is None:

@@ -12,6 +12,7 @@ import msgspec
 
 from orchestrator.config.task import EvalConfig, TaskConfig
 from orchestrator.config.trainer import LoraConfig, TrainerConfig
+from orchestrator.config.cluster import ClusterConfig
 from orchestrator.config.sampling import check_sampling
 from orchestrator.errors import ConfigError
 from replay.records import SamplingSettings
@@ -289,6 +290,8 @@ class RunConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     run: RunSection = RunSection()
     http: HttpConfig = HttpConfig()
     eval: EvalConfig = EvalConfig()
+    # A run over the hosts of a Ray cluster (docs/cluster.md); absent: one host.
+    cluster: ClusterConfig | None = None
 
     def validate(self) -> RunConfig:
         if isinstance(self.engines, int) and self.engines < 1:
@@ -305,6 +308,8 @@ class RunConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             self.eval.task_config(self.task)  # the eval task's fields must be valid too
         check_publish_cadence(self.trainer, self.scheduler)
         check_lora(self)
+        if self.cluster is not None:
+            check_cluster(self)
         ids = [engine_id for engine_id, _ in self.engine_configs()]
         if len(set(ids)) != len(ids):
             raise ConfigError("engines", f"engine ids must be unique, got {ids}")
@@ -320,6 +325,10 @@ class RunConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if lora is not None:  # every version is an adapter the engines load natively
             base = msgspec.structs.replace(base, enable_lora=True, max_lora_rank=lora.engine_rank,
                                            max_loras=lora.resident(self.scheduler.max_off_policy_steps))
+        if self.cluster is not None:  # every engine a server process that Ray places on a node
+            base = msgspec.structs.replace(base, kind="server")
+            return [(f"engine-{i}", msgspec.structs.replace(base, seed=base.seed + i))
+                    for i in range(self.cluster.engines.count)]
         if isinstance(self.engines, int):
             return [(f"engine-{i}", msgspec.structs.replace(base, seed=base.seed + i)) for i in range(self.engines)]
         out = []
@@ -346,6 +355,23 @@ def check_training_sampling(s: SamplingSettings) -> None:
                           f"must be 0 to train, got {s.min_tokens}: it forbids end-of-sequence before that "
                           "many tokens, which truncates the distribution (as top_k does) in a way the "
                           "trainer does not replicate")
+
+
+def check_cluster(config: RunConfig) -> None:
+    """What `[cluster]` decides itself, and what it does not carry yet, refused by name."""
+    config.cluster.validate()
+    if config.engines != 1:
+        raise ConfigError("engines", "with [cluster] the engines are placed by Ray: set cluster.engines.count "
+                                     "(and [engine] for their settings), not `engines`")
+    if config.engine.url is not None:
+        raise ConfigError("engine.url", "with [cluster] every engine is a server that Ray starts on its node; "
+                                        "an engine attached by URL is not placed")
+    if config.trainer.lora is not None:
+        raise ConfigError("trainer.lora", "LoRA adapters are not carried to engines on other hosts yet: run "
+                                          "[trainer.lora] on one host (without [cluster])")
+    if not config.http.enabled:
+        raise ConfigError("http.enabled", "with [cluster] the engines pull each version from the run's HTTP "
+                                          "server: http.enabled must be true")
 
 
 def check_lora(config: RunConfig) -> None:

@@ -74,11 +74,11 @@ def tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     return "\n".join(text[-lines:])
 
 
-def server_command(config: EngineConfig, port: int) -> list[str]:
+def server_command(config: EngineConfig, port: int, host: str = "127.0.0.1") -> list[str]:
     cmd = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(config.model),
-        "--host", "127.0.0.1", "--port", str(port),
+        "--host", host, "--port", str(port),
         "--dtype", config.dtype,
         "--max-num-seqs", str(config.max_num_seqs),
         "--seed", str(config.seed),
@@ -100,6 +100,16 @@ def server_command(config: EngineConfig, port: int) -> list[str]:
         cmd += ["--enable-lora", "--max-lora-rank", str(config.max_lora_rank), "--max-loras", str(config.max_loras),
                 "--max-cpu-loras", str(config.max_loras)]
     return cmd
+
+
+def server_env(config: EngineConfig) -> dict[str, str]:
+    """The environment a server engine runs in: dev mode (pause, weight transfer, collective_rpc)."""
+    env = {**SKIP_ISA_PROBE, **os.environ}
+    env["VLLM_SERVER_DEV_MODE"] = "1"
+    if config.enable_lora:  # /v1/load_lora_adapter and /v1/unload_lora_adapter exist only with it
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(config.kv_cache_gib)))
+    return env
 
 
 def chunk_from_sse(data: dict) -> TokenChunk | None:
@@ -136,18 +146,32 @@ class ServerEngine(Engine):
     async def start(self) -> None:
         if self._client is not None:
             return
-        if self.url is None:
-            self._spawn()
+        launched = self.url is None
+        if launched:
+            await self._launch()
         self._client = httpx.AsyncClient(
             base_url=self.url,
             timeout=httpx.Timeout(self.config.control_timeout_s),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
         )
         await self._wait_ready()
-        if self.process is not None:
+        if launched:  # a server of our own serves the base model already: version 0
             await self.set_weight_version(0)
         elif self.config.worker_extension_cls:
             await self.reset_to_base()
+
+    async def _launch(self) -> None:
+        """Start the server this engine owns and set `self.url` (here: a child process on this
+        host; `orchestrator.cluster` places it on another host)."""
+        self._spawn()
+
+    async def _exit_code(self) -> int | None:
+        """The server's exit code once the server this engine owns has exited; None while it runs
+        (or when it is attached by URL, whose process we cannot see)."""
+        return None if self.process is None else self.process.poll()
+
+    async def _log_tail(self) -> str:
+        return tail(self.log_path) if self.log_path else "(no log)"
 
     def _spawn(self) -> None:
         check_model_dir(self.config.model)
@@ -156,11 +180,7 @@ class ServerEngine(Engine):
         log_dir = self._log_dir or Path(tempfile.mkdtemp(prefix="inflight-engine-"))
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"{self.engine_id}.log"
-        env = {**SKIP_ISA_PROBE, **os.environ}
-        env["VLLM_SERVER_DEV_MODE"] = "1"
-        if self.config.enable_lora:  # /v1/load_lora_adapter and /v1/unload_lora_adapter exist only with it
-            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(self.config.kv_cache_gib)))
+        env = server_env(self.config)
         with open(self.log_path, "ab") as log_file:
             # Its own session: the whole tree (api server, engine core, worker) is one group.
             self.process = subprocess.Popen(
@@ -174,12 +194,14 @@ class ServerEngine(Engine):
         started = time.monotonic()
         deadline = started + self.config.start_timeout_s
         while time.monotonic() < deadline:
-            if self.process is not None and self.process.poll() is not None:
+            code = await self._exit_code()
+            if code is not None:
+                where = self.log_path or "its log"
+                last = await self._log_tail()
                 await self._abandon_start()
                 raise EngineDeadError(
                     self.engine_id,
-                    f"server exited with code {self.process.returncode} during start-up; "
-                    f"last lines of {self.log_path}:\n{tail(self.log_path)}")
+                    f"server exited with code {code} during start-up; last lines of {where}:\n{last}")
             try:
                 response = await self._client.get("/health", timeout=5.0)
                 if response.status_code == 200:
@@ -189,8 +211,8 @@ class ServerEngine(Engine):
             except httpx.TransportError:
                 pass
             await anyio.sleep(0.5)
+        where = f"; last lines of {self.log_path or 'its log'}:\n{await self._log_tail()}" if self._owns_server() else ""
         await self._abandon_start()
-        where = f"; last lines of {self.log_path}:\n{tail(self.log_path)}" if self.log_path else ""
         raise EngineTimeoutError(self.engine_id, f"not ready within {self.config.start_timeout_s}s at {self.url}{where}")
 
     async def reset_to_base(self) -> None:
@@ -240,21 +262,8 @@ class ServerEngine(Engine):
         self._dead = True
 
     def _terminate_process_group(self, grace_s: float = 15.0) -> None:
-        """SIGTERM the server's process group, SIGKILL what is left after grace_s, and wait
-        until no member (zombies included) remains, so that no engine process outlives us."""
-        proc = self.process
-        pgid = proc.pid  # started with start_new_session: the group id is the leader's pid
-        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
-            try:
-                os.killpg(pgid, sig)
-            except ProcessLookupError:
-                break
-            if _wait_group_gone(proc, pgid, wait):
-                break
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            log.warning("engine.leader_not_reaped", engine=self.engine_id, pid=proc.pid)
+        if not terminate_process_group(self.process, grace_s):
+            log.warning("engine.leader_not_reaped", engine=self.engine_id, pid=self.process.pid)
 
     # -- requests ---------------------------------------------------------------------------
     @property
@@ -263,12 +272,15 @@ class ServerEngine(Engine):
             raise EngineDeadError(self.engine_id, "not started" if not self._dead else "shut down")
         return self._client
 
-    def _process_gone(self) -> bool:
-        return self.process is not None and self.process.poll() is not None
+    def _owns_server(self) -> bool:
+        return self.process is not None
+
+    async def _process_gone(self) -> bool:
+        return await self._exit_code() is not None
 
     async def _failure(self, what: str, exc: Exception) -> Exception:
         """Classify a transport failure: the engine is dead, or only this call failed."""
-        if self._process_gone() or not await self._answers():
+        if await self._process_gone() or not await self._answers():
             self._dead = True
             return EngineDeadError(self.engine_id, f"{what}: engine unreachable ({type(exc).__name__}: {exc})")
         return EngineGenerateError(self.engine_id, f"{what} failed: {type(exc).__name__}: {exc}")
@@ -323,7 +335,7 @@ class ServerEngine(Engine):
                     if chunk is not None:
                         yield chunk
         except TimeoutError:
-            if self._process_gone():
+            if await self._process_gone():
                 self._dead = True
                 raise EngineDeadError(self.engine_id, f"{what}: server process exited") from None
             raise EngineTimeoutError(self.engine_id, f"{what}: no output for {self.config.chunk_timeout_s}s") from None
@@ -383,9 +395,20 @@ class ServerEngine(Engine):
         return sorted(c["id"] for c in cards if c.get("parent"))
 
     async def healthy(self) -> bool:
-        if self._dead or self._client is None or self._process_gone():
+        if self._dead or self._client is None or await self._process_gone():
             return False
         return await self._answers()
+
+    async def answers_again(self) -> bool:
+        """An engine taken for dead because it stopped answering (its host's link was cut) that
+        answers its health check again is alive: True, and it takes requests again. One whose
+        server exited, or that was shut down, stays dead."""
+        if self._client is None or await self._process_gone():
+            return False
+        if await self._answers():
+            self._dead = False
+            return True
+        return False
 
     async def _post(self, path: str, **kwargs):
         return await self._request("POST", path, **kwargs)
@@ -406,6 +429,25 @@ class ServerEngine(Engine):
             return response.json()
         except ValueError:
             return {}
+
+
+def terminate_process_group(proc: subprocess.Popen, grace_s: float = 15.0) -> bool:
+    """SIGTERM a server's process group, SIGKILL what is left after grace_s, and wait until no
+    member (zombies included) remains, so that no engine process outlives us. False when the
+    leader could not be reaped."""
+    pgid = proc.pid  # started with start_new_session: the group id is the leader's pid
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            break
+        if _wait_group_gone(proc, pgid, wait):
+            break
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        return False
+    return True
 
 
 def _wait_group_gone(proc: subprocess.Popen, pgid: int, timeout: float) -> bool:

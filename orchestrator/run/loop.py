@@ -81,6 +81,10 @@ class RunLoop:
             tg.start_soon(self._dispatcher)
             if getattr(self.run, "evaluator", None) is not None:
                 tg.start_soon(run_evaluations, self)
+            if getattr(self.run, "cluster", None) is not None:
+                from orchestrator.run.cluster import watch_engines
+
+                tg.start_soon(watch_engines, self)
             self.perform(restored_actions)
             await self.stop_requested.wait()
             await self._shutdown()
@@ -217,6 +221,16 @@ class RunLoop:
             # Cancelled (shutdown past its grace): the scheduler already chose the drop reason.
             self._finished(d, completion, "aborted")
             raise
+
+    async def engine_lost(self, engine_id: str, message: str) -> None:
+        """An engine is gone by a signal outside its requests (Ray: its actor or node died): down
+        for the scheduler, fenced in the fleet (its rollouts end errored and their groups are
+        retried elsewhere); with none left serving, the run stops."""
+        log.warning("engine.lost", engine=engine_id, error=message)
+        self.handle(sch.EngineDown(engine=engine_id))
+        await self.run.fleet.engine_died(engine_id, message)
+        if not self.run.fleet.coordinator.serving:
+            self.request_stop("no engine serves", failure="every engine died or was fenced")
 
     def _engines_fenced(self) -> None:
         """Every engine the fleet fenced is down for the scheduler (an engine can be fenced

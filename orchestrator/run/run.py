@@ -87,6 +87,7 @@ class Run:
         self.sampling, self.logprobs_mode = run_sampling(self.config)
         self.http = None
         self.http_socket = None
+        self.cluster = None  # orchestrator.run.cluster.ClusterSide with [cluster]
         self.progress = Progress(ProgressState(self.max_steps), self.config.run.progress)
         self.tracking = None
 
@@ -229,11 +230,18 @@ class Run:
         self.progress.state.status = "starting the trainer and engines"
         self.progress.refresh()
         self.trainer = TrainerProcess(config, self.run_dir, model_dir, resume=self.resume)
-        self.engines = []
-        for engine_id, engine_config in config.engine_configs():
-            engine_config = msgspec.structs.replace(engine_config, model=model_dir,
-                                                    logprobs_mode=self.logprobs_mode)
-            self.engines.append(make_engine(engine_config, engine_id, log_dir=self.run_dir))
+        engine_configs = [(engine_id, msgspec.structs.replace(engine_config, model=model_dir,
+                                                              logprobs_mode=self.logprobs_mode))
+                          for engine_id, engine_config in config.engine_configs()]
+        if config.cluster is not None:  # placed by Ray on the cluster's nodes (docs/cluster.md)
+            from orchestrator.run.cluster import ClusterSide
+
+            self.cluster = ClusterSide(config.cluster, self.run_id)
+            self.engines = []
+            with self.startup.phase("placement"):
+                self.engines = await self.cluster.place(engine_configs)
+        else:
+            self.engines = [make_engine(c, engine_id, log_dir=self.run_dir) for engine_id, c in engine_configs]
         ready = None
 
         async def start_trainer() -> None:
@@ -259,7 +267,11 @@ class Run:
             tg.start_soon(start_engines)
         self.fleet = _make_fleet(self.engines, config, ready.weights_root)
         with self.startup.phase("fleet"):
-            if config.trainer.lora is None:  # adapters need no receiver in the workers
+            if config.trainer.lora is None and self.cluster is not None:  # workers pull over HTTP
+                self.cluster.serve_weights(self.http.app, ready.weights_root)
+                await self.fleet.setup(ready.plan_json, ready.weights_root, timeout_s=config.transport.timeout_s,
+                                       pull=self.cluster.pull(self.http.url))
+            elif config.trainer.lora is None:  # adapters need no receiver in the workers
                 await self.fleet.setup(ready.plan_json, ready.weights_root, timeout_s=config.transport.timeout_s)
             else:
                 await probe_targets(self.engines, model_dir, config.trainer.lora, self.run_dir)
@@ -385,12 +397,16 @@ class Run:
         if not self.config.http.enabled or self.http is not None:
             return
         app = build_app(self._live_stats, self._live_metrics, self._health)
-        self.http = HttpServer(app, self.config.http.host, self.config.http.port, self.run_dir)
+        host = self.config.http.host
+        if self.config.cluster is not None:  # the engines on other hosts pull versions from it
+            from orchestrator.run.cluster import ClusterSide
+
+            host = ClusterSide.http_host(self.config.cluster, host)
+        self.http = HttpServer(app, host, self.config.http.port, self.run_dir)
         try:
             self.http_socket = self.http.bind()
         except OSError as exc:
-            raise ConfigError("http.port", f"cannot listen on {self.config.http.host}:{self.config.http.port}: "
-                                           f"{exc}") from None
+            raise ConfigError("http.port", f"cannot listen on {host}:{self.config.http.port}: {exc}") from None
 
     def _live_stats(self, filters) -> dict | None:
         """/stats over the live log; None (503) while the run is starting."""
@@ -437,6 +453,8 @@ class Run:
                 for scorer in (getattr(self, "scorer", None), getattr(getattr(self, "evaluator", None), "scorer", None)):
                     if scorer is not None:
                         tg.start_soon(scorer.aclose)
+            if self.cluster is not None:  # the placement group released, the cluster left running
+                await self.cluster.close()
             recorder = getattr(self, "recorder", None)
             self.recorder_stats = {}
             if recorder is not None:

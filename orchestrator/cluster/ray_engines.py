@@ -1,0 +1,242 @@
+"""Engines placed by Ray: one vLLM server process per engine, on the node Ray picks, owned by an actor.
+
+`RayPlacement` joins an existing Ray cluster (`ray.init(address=...)`: the run never starts one),
+reserves one placement group with a bundle per engine (`[cluster.engines]`: resources, an optional
+node resource to pin engines to, a spread strategy), and creates per engine an `EngineHost` actor
+in its bundle. The actor starts the server on its node (bound to the node's address, so the
+orchestrator and nothing else on loopback reaches it) and reports its URL; from there the
+orchestrator drives it as any server engine (`RayServerEngine`): rollouts over its HTTP API,
+weights pulled from the run's HTTP server (`transports.pull`). Ray carries placement and
+lifetimes only, never rollouts or weights.
+
+Lifetimes: the actor starts a watchdog (`orchestrator.reaper.Reaper`) before the server, so every
+process of the server dies with the actor; Ray kills the actors of a driver that exits, and
+removes its placement group, so a SIGKILLed orchestrator leaves nothing on any node. A node or
+actor that dies answers `exit_code` with an error: the engine reports itself dead
+(`RayServerEngine.watch`).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import subprocess
+import tempfile
+import urllib.parse
+from pathlib import Path
+
+import anyio
+import msgspec
+
+from orchestrator.config.cluster import ClusterConfig
+from orchestrator.config.run import EngineConfig
+from orchestrator.engines.server import ServerEngine, server_command, server_env, tail, terminate_process_group
+from orchestrator.errors import ClusterError, ConfigError, EngineDeadError
+from orchestrator.observe.logging import get_logger
+from orchestrator.reaper import die_with_parent
+
+log = get_logger(__name__)
+CALL_TIMEOUT_S = 10.0  # an actor call that is not answered in this time: its node is unreachable
+
+
+def node_ip_towards(address: str) -> str:
+    """This host's address on the route to `address` (the Ray head): a UDP socket's `connect` sends
+    nothing, it only picks the source address the kernel would use."""
+    host = urllib.parse.urlsplit(f"//{address}").hostname or address
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((host, 9))
+        except OSError as exc:
+            raise ConfigError("cluster.address", f"no route to {host}: {exc}") from None
+        return s.getsockname()[0]
+
+
+class EngineHost:
+    """The Ray actor that owns one engine's server process on its node (see the module docstring)."""
+
+    def __init__(self, engine_id: str) -> None:
+        from orchestrator.reaper import Reaper
+
+        self.engine_id = engine_id
+        self.reaper = Reaper.start()  # before any child: the server inherits the token
+        self.process: subprocess.Popen | None = None
+        self.log_path: Path | None = None
+
+    def start(self, config_json: bytes) -> dict:
+        import ray
+
+        config = msgspec.json.decode(config_json, type=EngineConfig)
+        ip = ray.util.get_node_ip_address()
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((ip, 0))
+            port = s.getsockname()[1]
+        log_dir = Path(tempfile.mkdtemp(prefix=f"inflight-{self.engine_id}-"))
+        self.log_path = log_dir / f"{self.engine_id}.log"
+        with open(self.log_path, "ab") as log_file:
+            self.process = subprocess.Popen(
+                server_command(config, port, host=ip), stdin=subprocess.DEVNULL, stdout=log_file,
+                stderr=subprocess.STDOUT, env=server_env(config), start_new_session=True,
+                preexec_fn=die_with_parent())
+        return {"url": f"http://{ip}:{port}", "node_ip": ip, "node_id": ray.get_runtime_context().get_node_id(),
+                "pid": self.process.pid, "log": str(self.log_path)}
+
+    def exit_code(self) -> int | None:
+        return None if self.process is None else self.process.poll()
+
+    def log_tail(self) -> str:
+        return tail(self.log_path) if self.log_path else "(no log)"
+
+    def stop(self, grace_s: float = 15.0) -> int | None:
+        if self.process is not None:
+            terminate_process_group(self.process, grace_s)
+        self.reaper.stop()
+        return self.exit_code()
+
+
+class RayServerEngine(ServerEngine):
+    """A server engine whose process an `EngineHost` actor starts on a Ray node."""
+
+    def __init__(self, config: EngineConfig, engine_id: str, actor) -> None:
+        super().__init__(config, engine_id)
+        self.actor = actor
+        self.node: dict = {}
+        self._gone: str | None = None
+
+    async def _launch(self) -> None:
+        info = await self._call(self.actor.start.remote(msgspec.json.encode(self.config)),
+                                timeout=self.config.start_timeout_s)
+        self.url, self.node = info["url"], info
+        log.info("engine.placed", engine=self.engine_id, url=self.url, node_ip=info["node_ip"],
+                 node_id=info["node_id"][:12], pid=info["pid"], log=info["log"])
+
+    def _owns_server(self) -> bool:
+        return True
+
+    async def _exit_code(self) -> int | None:
+        if self._gone is not None:
+            return -1
+        try:
+            return await self._call(self.actor.exit_code.remote())
+        except EngineDeadError:
+            return -1
+        except TimeoutError:
+            return None  # unknown: the caller asks the server itself
+
+    async def _log_tail(self) -> str:
+        try:
+            return await self._call(self.actor.log_tail.remote())
+        except (EngineDeadError, TimeoutError) as exc:
+            return f"(the log on node {self.node.get('node_ip', '?')} is unreachable: {exc})"
+
+    async def _call(self, ref, timeout: float = CALL_TIMEOUT_S):
+        from ray.exceptions import RayActorError, RayTaskError
+
+        try:
+            with anyio.fail_after(timeout):
+                return await ref
+        except RayActorError as exc:  # the actor, or its node, is gone
+            self._gone = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            raise EngineDeadError(self.engine_id, f"its Ray actor died ({self._gone})") from None
+        except RayTaskError as exc:
+            raise EngineDeadError(self.engine_id, f"its Ray actor failed: {exc}") from None
+
+    async def watch(self, on_death, poll_s: float = 2.0) -> None:
+        """Until the engine is shut down: a dead actor or node (Ray's signal), or a server that
+        exited, is reported once through `on_death(engine_id, message)`."""
+        while self._client is not None:
+            code = await self._exit_code()
+            if code is not None:
+                self._dead = True
+                await on_death(self.engine_id, self._gone or f"its server exited with code {code}")
+                return
+            await anyio.sleep(poll_s)
+
+    async def shutdown(self) -> None:
+        with anyio.CancelScope(shield=True):
+            await super().shutdown()
+            if self._gone is None:
+                with anyio.move_on_after(30):
+                    try:
+                        await self._call(self.actor.stop.remote(), timeout=30)
+                    except (EngineDeadError, TimeoutError):
+                        pass
+            _kill_actor(self.actor)
+
+
+def _kill_actor(actor) -> None:
+    import ray
+
+    try:
+        ray.kill(actor, no_restart=True)
+    except Exception:  # noqa: BLE001 - already gone
+        pass
+
+
+class RayPlacement:
+    """The run's share of the Ray cluster: one placement group, one `EngineHost` per engine."""
+
+    def __init__(self, config: ClusterConfig, run_id: str) -> None:
+        self.config, self.run_id = config, run_id
+        self.group = None
+
+    def connect(self) -> None:
+        import ray
+
+        if not ray.is_initialized():
+            try:
+                ray.init(address=self.config.address, namespace=f"inflight-{self.run_id}", log_to_driver=False,
+                         logging_level=logging.WARNING, include_dashboard=False)
+            except (ConnectionError, RuntimeError, ValueError) as exc:
+                raise ConfigError("cluster.address", f"cannot join the Ray cluster at {self.config.address}: "
+                                                     f"{exc}") from None
+
+    def place_engines(self, engine_configs: list[tuple[str, EngineConfig]]) -> list[RayServerEngine]:
+        """Reserve the placement group (bounded by `start_timeout_s`) and create the actors."""
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        engines = self.config.engines
+        bundle = {name: float(amount) for name, amount in engines.resources.items() if amount > 0}
+        if engines.node_resource:
+            bundle[engines.node_resource] = 0.001
+        bundles = [dict(bundle) for _ in engine_configs]
+        self.group = placement_group(bundles, strategy=engines.strategy, name=f"inflight-{self.run_id}")
+        try:
+            ray.get(self.group.ready(), timeout=self.config.start_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            offered = ray.available_resources()
+            self.close()
+            raise ClusterError(f"the Ray cluster did not place {len(bundles)} engine(s) of {bundle} "
+                               f"({engines.strategy}) within {self.config.start_timeout_s}s; it has "
+                               f"{offered} available") from None
+        actor_class = ray.remote(EngineHost)
+        out = []
+        for index, (engine_id, config) in enumerate(engine_configs):
+            actor = actor_class.options(
+                name=f"{engine_id}", num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0),
+                resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU")},
+                max_restarts=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=self.group, placement_group_bundle_index=index),
+            ).remote(engine_id)
+            out.append(RayServerEngine(config, engine_id, actor))
+        return out
+
+    def close(self) -> None:
+        """Release the placement group and leave the cluster (never stops the cluster itself)."""
+        import ray
+
+        if self.group is not None:
+            try:
+                from ray.util.placement_group import remove_placement_group
+
+                remove_placement_group(self.group)
+            except Exception as exc:  # noqa: BLE001 - the cluster is gone: nothing to release
+                log.warning("cluster.release_failed", error=str(exc))
+            self.group = None
+        if ray.is_initialized():
+            ray.shutdown()
+
+
+__all__ = ["EngineHost", "RayPlacement", "RayServerEngine", "node_ip_towards"]

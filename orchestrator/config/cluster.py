@@ -1,0 +1,71 @@
+"""`[cluster]`: a run spread over the hosts of an existing Ray cluster (docs/cluster.md).
+
+Ray places and watches processes; it carries no data. Absent, a run is one host, as always."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from orchestrator.errors import ConfigError
+
+PLACEMENT_STRATEGIES = ("SPREAD", "PACK", "STRICT_SPREAD", "STRICT_PACK")
+
+
+class ClusterEngines(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The engines Ray places: each a vLLM server process on its node, owned by one Ray actor."""
+
+    count: int = 1
+    # What one engine reserves on its node, in Ray's resource names: {CPU = 1} here, {GPU = tp} on GPUs.
+    resources: dict[str, float] = msgspec.field(default_factory=lambda: {"CPU": 1.0})
+    # Only nodes offering this custom resource (`ray start --resources='{"engine": 1}'`) get engines.
+    node_resource: str | None = None
+    # How the placement group spreads the engines' bundles over nodes (Ray's strategies).
+    strategy: Literal["SPREAD", "PACK", "STRICT_SPREAD", "STRICT_PACK"] = "SPREAD"
+
+    def validate(self) -> ClusterEngines:
+        if self.count < 1:
+            raise ConfigError("cluster.engines.count", f"must be >= 1, got {self.count}")
+        for name, amount in self.resources.items():
+            if not amount >= 0:
+                raise ConfigError(f"cluster.engines.resources.{name}", f"must be >= 0, got {amount}")
+        return self
+
+
+class ClusterTrainer(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Where the trainer runs. Its rank 0 writes the run directory (checkpoints, the step journal,
+    published versions), so it runs on the orchestrator's host."""
+
+    nodes: int = 1
+
+    def validate(self) -> ClusterTrainer:
+        if self.nodes != 1:
+            raise ConfigError("cluster.trainer.nodes",
+                              f"must be 1 in this version (got {self.nodes}): the trainer runs on the orchestrator's "
+                              "host; trainer ranks on other hosts are not built yet (docs/cluster.md)")
+        return self
+
+
+class ClusterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    backend: Literal["ray"] = "ray"
+    # An existing Ray cluster's address (`ray start --head` printed it), e.g. "10.0.0.1:6379". The
+    # run never starts a cluster of its own: this process must run on one of its nodes.
+    address: str = ""
+    # The address engines on other hosts reach this process at (its weight server); default: the
+    # address of this process's Ray node.
+    node_ip: str | None = None
+    engines: ClusterEngines = ClusterEngines()
+    trainer: ClusterTrainer = ClusterTrainer()
+    # Longest wait for the placement group and for every engine server to be placed and listening.
+    start_timeout_s: float = 600.0
+
+    def validate(self) -> ClusterConfig:
+        if not self.address:
+            raise ConfigError("cluster.address", "required: the address of a running Ray cluster (HOST:PORT, as "
+                                                 "`ray start --head` printed it)")
+        if not self.start_timeout_s > 0:
+            raise ConfigError("cluster.start_timeout_s", f"must be > 0, got {self.start_timeout_s}")
+        self.engines.validate()
+        self.trainer.validate()
+        return self
