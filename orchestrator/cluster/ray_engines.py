@@ -184,8 +184,10 @@ class RayPlacement:
 
         if not ray.is_initialized():
             try:
+                # This node's address named: a host without a default route cannot guess it.
                 ray.init(address=self.config.address, namespace=f"inflight-{self.run_id}", log_to_driver=False,
-                         logging_level=logging.WARNING, include_dashboard=False)
+                         logging_level=logging.WARNING, include_dashboard=False,
+                         _node_ip_address=self.config.node_ip or node_ip_towards(self.config.address))
             except (ConnectionError, RuntimeError, ValueError) as exc:
                 raise ConfigError("cluster.address", f"cannot join the Ray cluster at {self.config.address}: "
                                                      f"{exc}") from None
