@@ -34,16 +34,24 @@ class ClusterEngines(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class ClusterTrainer(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Where the trainer runs. Its rank 0 writes the run directory (checkpoints, the step journal,
-    published versions), so it runs on the orchestrator's host."""
+    """Where the trainer runs: node 0 is the orchestrator's host (its rank 0 speaks the trainer link
+    and writes the run directory: checkpoints, the step journal, published versions); with
+    `nodes` > 1 Ray places nodes 1.. on other hosts, one torchrun each (`trainer.world_size` ranks
+    per node), joined at a static rendezvous on node 0."""
 
     nodes: int = 1
+    # What one trainer node (other than node 0) reserves on its host, in Ray's resource names.
+    resources: dict[str, float] = msgspec.field(default_factory=lambda: {"CPU": 1.0})
+    # Only hosts offering this custom resource (`ray start --resources='{"trainer": 1}'`) get a node.
+    node_resource: str | None = None
+    # The rendezvous port on node 0; 0: a free one.
+    port: int = 0
 
     def validate(self) -> ClusterTrainer:
-        if self.nodes != 1:
-            raise ConfigError("cluster.trainer.nodes",
-                              f"must be 1 in this version (got {self.nodes}): the trainer runs on the orchestrator's "
-                              "host; trainer ranks on other hosts are not built yet (docs/cluster.md)")
+        if self.nodes < 1:
+            raise ConfigError("cluster.trainer.nodes", f"must be >= 1, got {self.nodes}")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError("cluster.trainer.port", f"must be in [0, 65535], got {self.port}")
         return self
 
 

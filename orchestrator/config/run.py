@@ -372,6 +372,17 @@ def check_cluster(config: RunConfig) -> None:
     if not config.http.enabled:
         raise ConfigError("http.enabled", "with [cluster] the engines pull each version from the run's HTTP "
                                           "server: http.enabled must be true")
+    if config.cluster.trainer.nodes > 1:
+        tc = config.trainer
+        if tc.torchrun_args:
+            raise ConfigError("trainer.torchrun_args", "with cluster.trainer.nodes > 1 the rendezvous is the "
+                                                       "cluster's (nodes, ranks, address): leave torchrun_args out")
+        if tc.checkpoint_every > 1:
+            raise ConfigError("trainer.checkpoint_every", "> 1 needs one trainer process; cluster.trainer.nodes > 1 "
+                                                          "runs torchrun, whose ranks checkpoint every version")
+        if tc.checkpoint_background:
+            raise ConfigError("trainer.checkpoint_background", "needs one trainer process; cluster.trainer.nodes > 1 "
+                                                               "runs torchrun, whose ranks gather each checkpoint")
 
 
 def check_lora(config: RunConfig) -> None:

@@ -7,6 +7,8 @@ differently when the engines live on other hosts.
   committed version into a scratch directory of their own host (`transports.pull`).
 - Ray's signals become fleet events: an engine whose actor or node died is reported down at once,
   without waiting for a stream to time out (`watch_engines`).
+- A trainer over several hosts (`[cluster.trainer] nodes > 1`): node 0 here, the others placed
+  by Ray (`orchestrator.cluster.ray_trainer`); a lost trainer node stops the run by name.
 - A fenced engine that answers again (its host's link came back) rejoins at the live version
   before it gets another rollout (`rejoin_fenced`).
 """
@@ -14,6 +16,8 @@ differently when the engines live on other hosts.
 from __future__ import annotations
 
 import secrets
+import socket
+import urllib.parse
 from pathlib import Path
 
 import anyio
@@ -28,12 +32,39 @@ REJOIN_PROBE_S = 5.0  # how often fenced engines are asked whether they answer a
 
 class ClusterSide:
     def __init__(self, config: ClusterConfig, run_id: str) -> None:
-        from orchestrator.cluster.ray_engines import RayPlacement
+        from orchestrator.cluster.ray_engines import RayPlacement, node_ip_towards
+        from orchestrator.cluster.ray_trainer import TrainerNodes
 
         self.config = config
+        self.node_ip = config.node_ip or node_ip_towards(config.address)  # where other hosts reach us
         self.placement = RayPlacement(config, run_id)
+        self.trainer_nodes = TrainerNodes(config, run_id) if config.trainer.nodes > 1 else None
         self.token = secrets.token_urlsafe(24)  # the weight server's: handed to engine workers only
         self.engines: list = []
+
+    def rendezvous(self):
+        """Node 0's rendezvous for a trainer over several hosts (None: the trainer is this host's)."""
+        from orchestrator.trainer.launcher import Rendezvous
+
+        if self.trainer_nodes is None:
+            return None
+        port = self.config.trainer.port
+        if not port:
+            with socket.socket() as s:  # bound, read, released: torchrun binds it a moment later
+                s.bind((self.node_ip, 0))
+                port = s.getsockname()[1]
+        return Rendezvous(nnodes=self.config.trainer.nodes, addr=self.node_ip, port=port)
+
+    async def start_trainer_nodes(self, trainer) -> None:
+        """Place and start nodes 1.. of the trainer (node 0 is `trainer`, started by the caller)."""
+        if self.trainer_nodes is None:
+            return
+        await anyio.to_thread.run_sync(self._connected, self.trainer_nodes.place)
+        await self.trainer_nodes.start([trainer.node_command(rank) for rank in range(1, self.config.trainer.nodes)])
+
+    def _connected(self, then):
+        self.placement.connect()
+        return then()
 
     @staticmethod
     def http_host(config: ClusterConfig, configured: str) -> str:
@@ -46,11 +77,8 @@ class ClusterSide:
         return config.node_ip or node_ip_towards(config.address)
 
     async def place(self, engine_configs) -> list:
-        def place_all():
-            self.placement.connect()
-            return self.placement.place_engines(engine_configs)
-
-        self.engines = await anyio.to_thread.run_sync(place_all)
+        self.engines = await anyio.to_thread.run_sync(self._connected,
+                                                      lambda: self.placement.place_engines(engine_configs))
         return self.engines
 
     def serve_weights(self, app, weights_root: str) -> None:
@@ -59,10 +87,17 @@ class ClusterSide:
         app.router.routes.extend(weights_routes(Path(weights_root), self.token))
 
     def pull(self, http_url: str) -> dict:
-        return {"url": http_url, "token": self.token}
+        """What an engine worker needs to pull versions: our weight server at this host's cluster
+        address (the server may listen on every address), and its token."""
+        port = urllib.parse.urlsplit(http_url).port
+        return {"url": f"http://{self.node_ip}:{port}", "token": self.token}
 
     async def close(self) -> None:
         with anyio.CancelScope(shield=True):
+            if self.trainer_nodes is not None:
+                await self.trainer_nodes.stop()
+                with anyio.move_on_after(30):
+                    await anyio.to_thread.run_sync(self.trainer_nodes.close)
             with anyio.move_on_after(30):
                 await anyio.to_thread.run_sync(self.placement.close)
 
@@ -71,9 +106,17 @@ async def watch_engines(loop) -> None:
     """One watcher per Ray-placed engine (a dead actor or node: the engine is lost), and the probe
     that brings fenced engines back."""
     side: ClusterSide = loop.run.cluster
+
+    async def trainer_node_lost(message: str) -> None:
+        # Node 0's ranks would wait in a collective until its timeout: end them now, by name.
+        loop.run.trainer.kill()
+        loop.trainer_lost(message)
+
     async with anyio.create_task_group() as tg:
         for engine in side.engines:
             tg.start_soon(engine.watch, loop.engine_lost)
+        if side.trainer_nodes is not None:
+            tg.start_soon(side.trainer_nodes.watch, trainer_node_lost)
         tg.start_soon(rejoin_fenced, loop)
 
 

@@ -315,7 +315,7 @@ class RunLoop:
             await self.run.recorder.flush()
             await self.run.trainer.link.send(batch)
         except Exception as exc:  # noqa: BLE001 - the trainer is gone or stuck: the run stops
-            self._trainer_lost(f"sending step {batch.step} to the trainer failed: {exc}")
+            self.trainer_lost(f"sending step {batch.step} to the trainer failed: {exc}")
 
     async def _trainer_messages(self) -> None:
         trainer = self.run.trainer
@@ -324,20 +324,20 @@ class RunLoop:
                 message = await trainer.link.recv(1.0)
             except TimeoutError:
                 if not trainer.alive:
-                    self._trainer_lost(f"the trainer process exited (code {trainer.process.returncode}); "
+                    self.trainer_lost(f"the trainer process exited (code {trainer.process.returncode}); "
                                        f"see {self.run.run_dir / 'trainer.log'}")
                     return
                 if self.batch and time.monotonic() - self.batch[2] > self.run.config.trainer.step_timeout_s:
-                    self._trainer_lost(f"step {self.batch[0]} took longer than trainer.step_timeout_s")
+                    self.trainer_lost(f"step {self.batch[0]} took longer than trainer.step_timeout_s")
                     return
                 continue
             if isinstance(message, StepDone):
                 self._step_done(message)
             elif isinstance(message, Failed):
-                self._trainer_lost(f"the trainer failed at step {message.step}: {message.error}")
+                self.trainer_lost(f"the trainer failed at step {message.step}: {message.error}")
                 return
 
-    def _trainer_lost(self, why: str) -> None:
+    def trainer_lost(self, why: str) -> None:
         log.error("trainer.lost", reason=why)
         if self.batch is not None:
             self.handle(sch.TrainerLost(step=self.batch[0]))

@@ -229,14 +229,16 @@ class Run:
         self.evaluator = await self._evaluator(model_dir)
         self.progress.state.status = "starting the trainer and engines"
         self.progress.refresh()
-        self.trainer = TrainerProcess(config, self.run_dir, model_dir, resume=self.resume)
-        engine_configs = [(engine_id, msgspec.structs.replace(engine_config, model=model_dir,
-                                                              logprobs_mode=self.logprobs_mode))
-                          for engine_id, engine_config in config.engine_configs()]
-        if config.cluster is not None:  # placed by Ray on the cluster's nodes (docs/cluster.md)
+        if config.cluster is not None:  # engines and trainer nodes placed by Ray (docs/cluster.md)
             from orchestrator.run.cluster import ClusterSide
 
             self.cluster = ClusterSide(config.cluster, self.run_id)
+        self.trainer = TrainerProcess(config, self.run_dir, model_dir, resume=self.resume,
+                                      rendezvous=self.cluster and self.cluster.rendezvous())
+        engine_configs = [(engine_id, msgspec.structs.replace(engine_config, model=model_dir,
+                                                              logprobs_mode=self.logprobs_mode))
+                          for engine_id, engine_config in config.engine_configs()]
+        if self.cluster is not None:
             self.engines = []
             with self.startup.phase("placement"):
                 self.engines = await self.cluster.place(engine_configs)
@@ -247,6 +249,8 @@ class Run:
         async def start_trainer() -> None:
             nonlocal ready
             with self.startup.phase("trainer"):
+                if self.cluster is not None:
+                    await self.cluster.start_trainer_nodes(self.trainer)
                 ready = await self.trainer.start()
 
         async def start_scorer() -> None:

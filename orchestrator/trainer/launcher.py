@@ -34,7 +34,15 @@ class TrainerError(InflightError, RuntimeError):
 
 
 class TrainerProcess:
-    def __init__(self, config, run_dir: Path, model_dir: str, *, resume: bool) -> None:
+    def __init__(self, config, run_dir: Path, model_dir: str, *, resume: bool,
+                 rendezvous: Rendezvous | None = None) -> None:
+        # Spanning hosts ([cluster.trainer] nodes > 1): this host is node 0, and the trainer's
+        # configuration names the rendezvous, so every node's torchrun (and the ranks' own
+        # choices: no background checkpoints under torchrun) follows from it.
+        self.rendezvous = rendezvous
+        if rendezvous is not None:  # (the trainer reads no [cluster]: the rendezvous says it all)
+            config = msgspec.structs.replace(config, cluster=None, trainer=msgspec.structs.replace(
+                config.trainer, torchrun_args=[*config.trainer.torchrun_args, *rendezvous.flags(0)]))
         self.config = config
         self.run_dir = Path(run_dir)
         self.model_dir = model_dir
@@ -54,6 +62,8 @@ class TrainerProcess:
                               orchestrator_pid=self.orchestrator_pid)
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")
+        if self.rendezvous is not None:
+            env.update(self.rendezvous.env())
         self.group = self.config.trainer.torchrun
         if self.group:
             # The whole argv (--resume included), the configuration's JSON named by its file.
@@ -118,12 +128,20 @@ class TrainerProcess:
                     await anyio.to_thread.run_sync(self.process.wait)
             self.link.close()
 
+    def node_command(self, node_rank: int) -> list[str]:
+        """The argv another trainer node runs (`[cluster.trainer] nodes > 1`): this node's torchrun
+        with that node's rank."""
+        tc = self.config.trainer
+        args = [a for a in tc.torchrun_args if a.split("=", 1)[0] != "--node-rank"] + [f"--node-rank={node_rank}"]
+        cmd = trainer_command(msgspec.structs.replace(tc, torchrun_args=args), "tcp://0.0.0.0:0", self.run_dir,
+                              self.model_dir, msgspec.json.encode(self.config).decode(), resume=self.resume,
+                              orchestrator_pid=0)
+        # Its ranks watch the process that owns them there (they exit when it is gone).
+        cmd[cmd.index("--orchestrator-pid") + 1] = OWNER_PID
+        return cmd
+
     def kill(self) -> None:
-        """SIGKILL the trainer: under torchrun its agent and every rank. torchrun starts each
-        rank in a session of its own (`start_new_session=True` in its SubprocessHandler), so
-        killing the agent's process group alone would leave the ranks running, re-parented:
-        the agent is stopped first (it can start nothing more), its descendants listed, then
-        every one of their process groups is killed, the agent's last."""
+        """SIGKILL the trainer: under torchrun its agent and every rank (`kill_torchrun`)."""
         if self.process is None:
             return
         if not self.group:
@@ -131,25 +149,64 @@ class TrainerProcess:
             return
         if self.process.poll() is not None:
             return  # the agent exited and was reaped: its pid (and group id) may name another now
-        agent = self.process.pid
+        kill_torchrun(self.process.pid)
+
+
+OWNER_PID = "{owner_pid}"  # in a node's argv: the pid of the process that starts it there
+
+
+class Rendezvous(msgspec.Struct, frozen=True):
+    """torchrun's static rendezvous over hosts: node 0 (this host) listens at addr:port."""
+
+    nnodes: int
+    addr: str
+    port: int
+
+    def flags(self, node_rank: int) -> list[str]:
+        return [f"--nnodes={self.nnodes}", f"--node-rank={node_rank}", f"--master-addr={self.addr}",
+                f"--master-port={self.port}"]
+
+    def env(self) -> dict[str, str]:
+        """gloo binds to the address its host name resolves to, which a host of several
+        interfaces may not route to the others: name the interface that holds our address."""
+        name = interface_of(self.addr)
+        return {"GLOO_SOCKET_IFNAME": name} if name and "GLOO_SOCKET_IFNAME" not in os.environ else {}
+
+
+def interface_of(address: str) -> str | None:
+    """The network interface that holds `address` on this host, if any."""
+    import psutil
+
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.address == address for a in addresses):
+            return name
+    return None
+
+
+def kill_torchrun(agent: int) -> None:
+    """SIGKILL torchrun's agent and every rank. torchrun starts each rank in a session of its own
+    (`start_new_session=True` in its SubprocessHandler), so killing the agent's process group
+    alone would leave the ranks running, re-parented: the agent is stopped first (it can start
+    nothing more), its descendants listed, then every one of their process groups is killed, the
+    agent's last."""
+    try:
+        os.killpg(agent, signal.SIGSTOP)
+    except ProcessLookupError:
+        pass
+    own = os.getpgrp()
+    groups = []
+    for pid in descendants(agent):
         try:
-            os.killpg(agent, signal.SIGSTOP)
+            pgid = os.getpgid(pid)
+        except ProcessLookupError:
+            continue
+        if pgid not in (own, agent) and pgid not in groups:
+            groups.append(pgid)
+    for pgid in [*groups, agent]:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        own = os.getpgrp()
-        groups = []
-        for pid in descendants(agent):
-            try:
-                pgid = os.getpgid(pid)
-            except ProcessLookupError:
-                continue
-            if pgid not in (own, agent) and pgid not in groups:
-                groups.append(pgid)
-        for pgid in [*groups, agent]:
-            try:
-                os.killpg(pgid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
 
 def descendants(pid: int) -> list[int]:
