@@ -22,6 +22,7 @@ import logging
 import socket
 import subprocess
 import tempfile
+import time
 import urllib.parse
 from pathlib import Path
 
@@ -140,15 +141,24 @@ class RayServerEngine(ServerEngine):
         except RayTaskError as exc:
             raise EngineDeadError(self.engine_id, f"its Ray actor failed: {exc}") from None
 
-    async def watch(self, on_death, poll_s: float = 2.0) -> None:
-        """Until the engine is shut down: a dead actor or node (Ray's signal), or a server that
-        exited, is reported once through `on_death(engine_id, message)`."""
+    async def watch(self, on_lost, unreachable_s: float, poll_s: float = 2.0) -> None:
+        """Until the engine is shut down, report through `on_lost(engine_id, message)`: a dead actor
+        or node (Ray's signal) or an exited server, once, and then stop watching; a server that
+        answers neither its health check nor its actor for `unreachable_s` (its host's link is cut),
+        once per outage: it may answer again and rejoin (`orchestrator.run.cluster.rejoin_fenced`)."""
+        last_seen, reported = time.monotonic(), False
         while self._client is not None:
             code = await self._exit_code()
             if code is not None:
                 self._dead = True
-                await on_death(self.engine_id, self._gone or f"its server exited with code {code}")
+                await on_lost(self.engine_id, self._gone or f"its server exited with code {code}")
                 return
+            if await self._answers():
+                last_seen, reported = time.monotonic(), False
+            elif not reported and time.monotonic() - last_seen > unreachable_s:
+                reported = True
+                self._dead = True
+                await on_lost(self.engine_id, f"unreachable for {time.monotonic() - last_seen:.0f}s at {self.url}")
             await anyio.sleep(poll_s)
 
     async def shutdown(self) -> None:
@@ -186,7 +196,7 @@ class RayPlacement:
             try:
                 # This node's address named: a host without a default route cannot guess it.
                 ray.init(address=self.config.address, namespace=f"inflight-{self.run_id}", log_to_driver=False,
-                         logging_level=logging.WARNING, include_dashboard=False,
+                         logging_level=logging.ERROR, include_dashboard=False,
                          _node_ip_address=self.config.node_ip or node_ip_towards(self.config.address))
             except (ConnectionError, RuntimeError, ValueError) as exc:
                 raise ConfigError("cluster.address", f"cannot join the Ray cluster at {self.config.address}: "

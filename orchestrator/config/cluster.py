@@ -67,13 +67,17 @@ class ClusterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     trainer: ClusterTrainer = ClusterTrainer()
     # Longest wait for the placement group and for every engine server to be placed and listening.
     start_timeout_s: float = 600.0
+    # An engine that answers neither its health check nor its Ray actor this long (its host's link
+    # is down) is fenced; it rejoins at the live version when it answers again.
+    unreachable_s: float = 30.0
 
     def validate(self) -> ClusterConfig:
         if not self.address:
             raise ConfigError("cluster.address", "required: the address of a running Ray cluster (HOST:PORT, as "
                                                  "`ray start --head` printed it)")
-        if not self.start_timeout_s > 0:
-            raise ConfigError("cluster.start_timeout_s", f"must be > 0, got {self.start_timeout_s}")
+        for name in ("start_timeout_s", "unreachable_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"cluster.{name}", f"must be > 0, got {getattr(self, name)}")
         self.engines.validate()
         self.trainer.validate()
         return self

@@ -114,7 +114,7 @@ async def watch_engines(loop) -> None:
 
     async with anyio.create_task_group() as tg:
         for engine in side.engines:
-            tg.start_soon(engine.watch, loop.engine_lost)
+            tg.start_soon(engine.watch, loop.engine_lost, side.config.unreachable_s)
         if side.trainer_nodes is not None:
             tg.start_soon(side.trainer_nodes.watch, trainer_node_lost)
         tg.start_soon(rejoin_fenced, loop)
