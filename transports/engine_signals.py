@@ -1,5 +1,5 @@
 """A vLLM general plugin (entry point `vllm.general_plugins`): the engine core and worker
-processes of an engine that inflight started ignore SIGINT.
+processes of an engine that inflight started ignore SIGINT, and, where asked, die with their parent.
 
 A terminal's Ctrl-C goes to the whole foreground process group. vLLM's engine core and worker
 processes are in it and handle SIGINT themselves: the worker raises SystemExit, the engine core
@@ -15,6 +15,12 @@ installed their own signal handlers. This one acts only in a child process (a mu
 parent exists) whose environment carries ENGINE_CHILD_ENV, which `inflight run` sets before it
 starts its engines; any other vLLM use (`inflight generate`, a test's engine, a user's own
 `vllm serve` in this environment) is left alone.
+
+With DIE_WITH_PARENT_ENV (set for the servers a Ray actor owns on another host,
+`orchestrator.cluster.ray_engines`) each such child also gets a parent-death signal: the engine core
+dies with the API server, the worker with the engine core. There no watchdog of ours outlives the
+actor (Ray kills a dead worker's children, the watchdog among them, but not its grandchildren): the
+chain of parent-death signals is what ends the whole server when its actor goes.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ import os
 import signal
 
 ENGINE_CHILD_ENV = "INFLIGHT_ENGINE_CHILD"
+DIE_WITH_PARENT_ENV = "INFLIGHT_ENGINE_DIE_WITH_PARENT"
+PR_SET_PDEATHSIG = 1
 
 
 def register() -> None:
@@ -33,3 +41,14 @@ def register() -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     except ValueError:  # not the main thread: signal dispositions are set from there only
         pass
+    if os.environ.get(DIE_WITH_PARENT_ENV) == "1":
+        die_with_parent(multiprocessing.parent_process().pid)
+
+
+def die_with_parent(parent_pid: int | None) -> None:
+    """SIGKILL this process when its parent ends (and now, if it already has)."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if parent_pid is not None and os.getppid() != parent_pid:  # the parent ended before the prctl
+        os.kill(os.getpid(), signal.SIGKILL)

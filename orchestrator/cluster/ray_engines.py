@@ -9,9 +9,11 @@ orchestrator drives it as any server engine (`RayServerEngine`): rollouts over i
 weights pulled from the run's HTTP server (`transports.pull`). Ray carries placement and
 lifetimes only, never rollouts or weights.
 
-Lifetimes: the actor starts a watchdog (`orchestrator.reaper.Reaper`) before the server, so every
-process of the server dies with the actor; Ray kills the actors of a driver that exits, and
-removes its placement group, so a SIGKILLed orchestrator leaves nothing on any node. A node or
+Lifetimes: Ray kills the actors of a driver that exits, and removes its placement group; the server
+dies with its actor (a parent-death signal), its engine core with it and its worker with the engine
+core (`transports.engine_signals`: Ray kills a dead worker's children, not their children), so a
+SIGKILLed orchestrator leaves nothing on any node. The actor's watchdog (`orchestrator.reaper`)
+sweeps what an orderly stop leaves. A node or
 actor that dies answers `exit_code` with an error: the engine reports itself dead
 (`RayServerEngine.watch`).
 """
@@ -35,6 +37,7 @@ from orchestrator.engines.server import ServerEngine, server_command, server_env
 from orchestrator.errors import ClusterError, ConfigError, EngineDeadError
 from orchestrator.observe.logging import get_logger
 from orchestrator.reaper import die_with_parent
+from transports.engine_signals import DIE_WITH_PARENT_ENV, ENGINE_CHILD_ENV
 
 log = get_logger(__name__)
 CALL_TIMEOUT_S = 10.0  # an actor call that is not answered in this time: its node is unreachable
@@ -76,7 +79,8 @@ class EngineHost:
         with open(self.log_path, "ab") as log_file:
             self.process = subprocess.Popen(
                 server_command(config, port, host=ip), stdin=subprocess.DEVNULL, stdout=log_file,
-                stderr=subprocess.STDOUT, env=server_env(config), start_new_session=True,
+                stderr=subprocess.STDOUT, env={**server_env(config), ENGINE_CHILD_ENV: "1", DIE_WITH_PARENT_ENV: "1"},
+                start_new_session=True,
                 preexec_fn=die_with_parent())
         return {"url": f"http://{ip}:{port}", "node_ip": ip, "node_id": ray.get_runtime_context().get_node_id(),
                 "pid": self.process.pid, "log": str(self.log_path)}
@@ -130,11 +134,13 @@ class RayServerEngine(ServerEngine):
             return f"(the log on node {self.node.get('node_ip', '?')} is unreachable: {exc})"
 
     async def _call(self, ref, timeout: float = CALL_TIMEOUT_S):
-        from ray.exceptions import RayActorError, RayTaskError
+        from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
         try:
             with anyio.fail_after(timeout):
                 return await ref
+        except ActorUnavailableError:  # unreachable for now (a cut link, a node Ray still checks): unknown
+            raise TimeoutError(f"{self.engine_id}'s Ray actor is unavailable") from None
         except RayActorError as exc:  # the actor, or its node, is gone
             self._gone = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             raise EngineDeadError(self.engine_id, f"its Ray actor died ({self._gone})") from None
@@ -151,7 +157,8 @@ class RayServerEngine(ServerEngine):
             code = await self._exit_code()
             if code is not None:
                 self._dead = True
-                await on_lost(self.engine_id, self._gone or f"its server exited with code {code}")
+                await on_lost(self.engine_id, f"its Ray actor died ({self._gone})" if self._gone
+                              else f"its server exited with code {code}")
                 return
             if await self._answers():
                 last_seen, reported = time.monotonic(), False
@@ -190,7 +197,11 @@ class RayPlacement:
         self.group = None
 
     def connect(self) -> None:
-        import ray
+        try:
+            import ray
+        except ImportError:
+            raise ConfigError("cluster.backend", "\"ray\" needs Ray on every host: pip install 'inflight-rl[ray]'") \
+                from None
 
         if not ray.is_initialized():
             try:

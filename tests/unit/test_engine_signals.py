@@ -56,3 +56,72 @@ def test_other_vllm_processes_are_left_alone(tmp_path):
 def test_vllm_finds_the_plugin_among_its_general_plugins():
     found = [e for e in entry_points(group="vllm.general_plugins") if e.value == "transports.engine_signals:register"]
     assert len(found) == 1
+
+
+CHAIN = """
+import multiprocessing, os, sys, time
+from transports.engine_signals import register
+
+def grandchild():
+    register()  # the engine core's part: dies with its parent (the API server)
+    time.sleep(600)
+
+if __name__ == "__main__":
+    ctx = multiprocessing.get_context("spawn")
+    p = ctx.Process(target=grandchild)
+    p.start()
+    print(p.pid, flush=True)
+    time.sleep(600)
+"""
+
+
+def test_with_die_with_parent_an_engines_child_ends_when_its_parent_is_killed(tmp_path):
+    """What ends a Ray-placed server's engine core when the actor's kill took only the server:
+    SIGKILL the parent, and the child (a grandchild of no watchdog) is gone too."""
+    import signal
+    import time
+
+    from transports.engine_signals import DIE_WITH_PARENT_ENV
+
+    script = tmp_path / "chain.py"
+    script.write_text(CHAIN)
+    env = {**os.environ, ENGINE_CHILD_ENV: "1", DIE_WITH_PARENT_ENV: "1"}
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, env=env, text=True)
+    child = int(parent.stdout.readline())
+    assert os.path.exists(f"/proc/{child}")
+    parent.send_signal(signal.SIGKILL)
+    parent.wait(10)
+    deadline = time.monotonic() + 10
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(child)
+
+
+def test_without_it_the_child_outlives_its_parent(tmp_path):
+    """The control: the same chain without the variable leaves the child running (then killed here)."""
+    import signal
+    import time
+
+    script = tmp_path / "chain.py"
+    script.write_text(CHAIN)
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
+                              env={**os.environ, ENGINE_CHILD_ENV: "1"}, text=True)
+    child = int(parent.stdout.readline())
+    parent.send_signal(signal.SIGKILL)
+    parent.wait(10)
+    time.sleep(1.0)
+    try:
+        assert _alive(child)
+    finally:
+        try:
+            os.kill(child, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
