@@ -35,7 +35,7 @@ def register(bench_sub) -> None:
                                              "link, activation across hosts, host loss and rejoin",
                              description="Needs root (network namespaces). Starts its own hosts and Ray cluster, "
                                          "and removes them.")
-    p.add_argument("--steps", type=int, default=14, help="trainer steps of the run")
+    p.add_argument("--steps", type=int, default=40, help="trainer steps of the run (the cut comes at step 5)")
     p.add_argument("--cap-mbit", type=float, default=200.0, help="each engine host's link cap (tbf)")
     p.add_argument("--megabytes", type=int, default=48, help="the version's size for the link measurement")
     p.add_argument("--model", default="models/tiny-rl", help="the run's model (built if missing)")
@@ -200,7 +200,7 @@ def run_with_a_cut(hosts, base: Path, model: Path, address: str, steps: int) -> 
     config = write_cluster_config(base / "config.toml", model, address, engines=2, extra="unreachable_s = 8.0")
     run_dir = base / "run"
     run = ClusterRun(hosts, config, run_dir, steps)
-    cut_after = max(2, steps // 3)
+    cut_after = min(5, steps // 4)
     run.wait_for(lambda: consumed_steps(run_dir) >= cut_after, 900, f"step {cut_after}")
     engine = next(e["engine"] for e in run.events("engine.placed") if e["node_ip"] == hosts[2].address)
     hosts[2].cut()

@@ -33,8 +33,9 @@ import msgspec
 
 from orchestrator.config.cluster import ClusterConfig
 from orchestrator.config.run import EngineConfig
+from orchestrator.cluster.placement import actor_in, bundle_of, kill_actor, release, reserve
 from orchestrator.engines.server import ServerEngine, server_command, server_env, tail, terminate_process_group
-from orchestrator.errors import ClusterError, ConfigError, EngineDeadError
+from orchestrator.errors import ConfigError, EngineDeadError
 from orchestrator.observe.logging import get_logger
 from orchestrator.reaper import die_with_parent
 from transports.engine_signals import DIE_WITH_PARENT_ENV, ENGINE_CHILD_ENV
@@ -177,16 +178,7 @@ class RayServerEngine(ServerEngine):
                         await self._call(self.actor.stop.remote(), timeout=30)
                     except (EngineDeadError, TimeoutError):
                         pass
-            _kill_actor(self.actor)
-
-
-def _kill_actor(actor) -> None:
-    import ray
-
-    try:
-        ray.kill(actor, no_restart=True)
-    except Exception:  # noqa: BLE001 - already gone
-        pass
+            kill_actor(self.actor)
 
 
 class RayPlacement:
@@ -215,49 +207,20 @@ class RayPlacement:
 
     def place_engines(self, engine_configs: list[tuple[str, EngineConfig]]) -> list[RayServerEngine]:
         """Reserve the placement group (bounded by `start_timeout_s`) and create the actors."""
-        import ray
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
         engines = self.config.engines
-        bundle = {name: float(amount) for name, amount in engines.resources.items() if amount > 0}
-        if engines.node_resource:
-            bundle[engines.node_resource] = 0.001
-        bundles = [dict(bundle) for _ in engine_configs]
-        self.group = placement_group(bundles, strategy=engines.strategy, name=f"inflight-{self.run_id}")
-        try:
-            ray.get(self.group.ready(), timeout=self.config.start_timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            offered = ray.available_resources()
-            self.close()
-            raise ClusterError(f"the Ray cluster did not place {len(bundles)} engine(s) of {bundle} "
-                               f"({engines.strategy}) within {self.config.start_timeout_s}s; it has "
-                               f"{offered} available") from None
-        actor_class = ray.remote(EngineHost)
-        out = []
-        for index, (engine_id, config) in enumerate(engine_configs):
-            actor = actor_class.options(
-                name=f"{engine_id}", num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0),
-                resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU")},
-                max_restarts=0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self.group, placement_group_bundle_index=index),
-            ).remote(engine_id)
-            out.append(RayServerEngine(config, engine_id, actor))
-        return out
+        bundle = bundle_of(engines.resources, engines.node_resource)
+        self.group = reserve(f"inflight-{self.run_id}", bundle, len(engine_configs), engines.strategy,
+                             self.config.start_timeout_s, "engine(s)")
+        return [RayServerEngine(config, engine_id, actor_in(EngineHost, self.group, index, bundle, engine_id)
+                                .remote(engine_id))
+                for index, (engine_id, config) in enumerate(engine_configs)]
 
     def close(self) -> None:
         """Release the placement group and leave the cluster (never stops the cluster itself)."""
         import ray
 
-        if self.group is not None:
-            try:
-                from ray.util.placement_group import remove_placement_group
-
-                remove_placement_group(self.group)
-            except Exception as exc:  # noqa: BLE001 - the cluster is gone: nothing to release
-                log.warning("cluster.release_failed", error=str(exc))
-            self.group = None
+        release(self.group)
+        self.group = None
         if ray.is_initialized():
             ray.shutdown()
 

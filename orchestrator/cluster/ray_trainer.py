@@ -16,7 +16,7 @@ from pathlib import Path
 import anyio
 
 from orchestrator.config.cluster import ClusterConfig
-from orchestrator.errors import ClusterError
+from orchestrator.cluster.placement import actor_in, bundle_of, kill_actor, release, reserve
 from orchestrator.observe.logging import get_logger
 from orchestrator.reaper import die_with_parent
 
@@ -78,31 +78,12 @@ class TrainerNodes:
         self.info: list[dict] = []
 
     def place(self) -> None:
-        import ray
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
         trainer = self.config.trainer
-        bundle = {name: float(amount) for name, amount in trainer.resources.items() if amount > 0}
-        if trainer.node_resource:
-            bundle[trainer.node_resource] = 0.001
-        count = trainer.nodes - 1
-        self.group = placement_group([dict(bundle) for _ in range(count)], strategy="STRICT_SPREAD",
-                                     name=f"inflight-{self.run_id}-trainer")
-        try:
-            ray.get(self.group.ready(), timeout=self.config.start_timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            offered = ray.available_resources()
-            self.close()
-            raise ClusterError(f"the Ray cluster did not place {count} trainer node(s) of {bundle} on separate "
-                               f"hosts within {self.config.start_timeout_s}s; it has {offered} available") from None
-        actor_class = ray.remote(TrainerNode)
-        self.actors = [actor_class.options(
-            name=f"trainer-node-{rank}", num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0),
-            resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}, max_restarts=0,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.group,
-                                                                 placement_group_bundle_index=rank - 1),
-        ).remote(rank) for rank in range(1, trainer.nodes)]
+        bundle = bundle_of(trainer.resources, trainer.node_resource)
+        self.group = reserve(f"inflight-{self.run_id}-trainer", bundle, trainer.nodes - 1, "STRICT_SPREAD",
+                             self.config.start_timeout_s, "trainer node(s), each on its own host,")
+        self.actors = [actor_in(TrainerNode, self.group, rank - 1, bundle, f"trainer-node-{rank}").remote(rank)
+                       for rank in range(1, trainer.nodes)]
 
     async def start(self, commands: list[list[str]]) -> None:
         for actor, argv in zip(self.actors, commands):
@@ -135,8 +116,6 @@ class TrainerNodes:
             await anyio.sleep(poll_s)
 
     async def stop(self) -> None:
-        import ray
-
         with anyio.CancelScope(shield=True):
             for actor in self.actors:
                 with anyio.move_on_after(40):
@@ -144,18 +123,9 @@ class TrainerNodes:
                         await actor.stop.remote()
                     except Exception:  # noqa: BLE001 - its node is gone: nothing to stop
                         pass
-                try:
-                    ray.kill(actor, no_restart=True)
-                except Exception:  # noqa: BLE001
-                    pass
+                kill_actor(actor)
             self.actors = []
 
     def close(self) -> None:
-        if self.group is not None:
-            from ray.util.placement_group import remove_placement_group
-
-            try:
-                remove_placement_group(self.group)
-            except Exception as exc:  # noqa: BLE001 - the cluster is gone: nothing to release
-                log.warning("cluster.release_failed", error=str(exc))
-            self.group = None
+        release(self.group)
+        self.group = None

@@ -12,24 +12,11 @@ import ast
 import re
 from pathlib import Path
 
-from tests.unit.test_transports_imports import find_cycles
+from tests.unit.test_transports_imports import _is_type_checking, find_cycles
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("orchestrator", "replay", "transports")
 GROUND = "ground"
-
-
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
-
-
-def _is_type_checking(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
 def _literal_import(node: ast.Call) -> str | None:
@@ -70,6 +57,10 @@ def imports_of(path: Path, modules: set[str]) -> set[str]:
 
     visit(ast.parse(path.read_text(), str(path)))
     return out
+
+
+def module_name(path: Path) -> str:
+    return ".".join(p for p in path.relative_to(ROOT).with_suffix("").parts if p != "__init__")
 
 
 def project_graph() -> dict[str, set[str]]:

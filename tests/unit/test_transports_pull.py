@@ -71,7 +71,7 @@ def test_a_mirrored_version_is_the_published_one_byte_for_byte(server, tmp_path)
     sync.shutdown()
 
 
-def test_a_worker_with_a_pull_config_stages_and_applies_the_version_from_the_server(swap, server):
+def test_a_worker_with_a_pull_config_stages_and_applies_the_version_from_the_server(swap, server):  # noqa: F811
     url, root = server
     state = version_state(1)
     sync = synchronizer(root, state)

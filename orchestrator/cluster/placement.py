@@ -1,0 +1,67 @@
+"""One Ray placement group per role (the engines; the trainer's other nodes): its bundles reserved within a
+deadline or refused naming what was asked and what the cluster has, actors created in its bundles, the
+group released. Light: Ray is imported by the calls, never by the module."""
+
+from __future__ import annotations
+
+from orchestrator.errors import ClusterError
+from orchestrator.observe.logging import get_logger
+
+log = get_logger(__name__)
+
+
+def bundle_of(resources: dict[str, float], node_resource: str | None) -> dict[str, float]:
+    """One bundle: the role's resources, and a sliver of the custom resource that pins it to its nodes."""
+    bundle = {name: float(amount) for name, amount in resources.items() if amount > 0}
+    if node_resource:
+        bundle[node_resource] = 0.001
+    return bundle
+
+
+def reserve(name: str, bundle: dict[str, float], count: int, strategy: str, timeout_s: float, what: str):
+    """A placement group of `count` copies of `bundle`, ready within `timeout_s`, else ClusterError."""
+    import ray
+    from ray.util.placement_group import placement_group
+
+    group = placement_group([dict(bundle) for _ in range(count)], strategy=strategy, name=name)
+    try:
+        ray.get(group.ready(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        offered = ray.available_resources()
+        release(group)
+        raise ClusterError(f"the Ray cluster did not place {count} {what} of {bundle} ({strategy}) within "
+                           f"{timeout_s}s; it has {offered} available") from None
+    return group
+
+
+def actor_in(actor_class, group, index: int, bundle: dict[str, float], name: str):
+    """`actor_class` (a plain class) made a Ray actor reserving `bundle` in bundle `index` of `group`;
+    never restarted by Ray (a lost engine or trainer node is the run's event, not Ray's to repeat)."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    return ray.remote(actor_class).options(
+        name=name, num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0),
+        resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}, max_restarts=0,
+        scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=group,
+                                                             placement_group_bundle_index=index))
+
+
+def release(group) -> None:
+    if group is None:
+        return
+    from ray.util.placement_group import remove_placement_group
+
+    try:
+        remove_placement_group(group)
+    except Exception as exc:  # noqa: BLE001 - the cluster is gone: nothing to release
+        log.warning("cluster.release_failed", error=str(exc))
+
+
+def kill_actor(actor) -> None:
+    import ray
+
+    try:
+        ray.kill(actor, no_restart=True)
+    except Exception:  # noqa: BLE001 - already gone
+        pass
