@@ -94,6 +94,10 @@ def analyze(run_dir: str | os.PathLike[str], options: Options | None = None,
     device = _device(options.device)
     store = VersionStore(run_dir, base_model_dir(data.meta), device)
     target = Target(options.target, data)
+    if target.model_dir is None and target.spec != "latest" and not store.available(target.version):
+        # A version asked for by number that the run does not hold: named, never a silent skip.
+        raise FileNotFoundError(f"--target {target.spec}: the run has no weights of version {target.version} "
+                                f"({store.missing_reason(target.version)}); it holds versions {store.retained()}")
     skips = _Skips()
     rollouts = data.rollouts
     n_tokens = sum(len(r.tokens) for r in rollouts)

@@ -305,6 +305,15 @@ def test_pruned_target_reports_the_skip(world, tmp_path):
     assert report["skipped_versions"] == [4] and report["by_lag"] == [] and table is None
 
 
+def test_a_target_version_the_run_does_not_hold_exits_2_naming_those_it_holds(world):
+    result = _cli("replay", str(world["run"]), "--target", "999")
+    assert result.returncode == 2, (result.returncode, result.stdout[-2000:], result.stderr[-2000:])
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith("inflight: error: --target 999: the run has no weights of version 999") and \
+        "it holds versions [0, 1," in line, line
+    assert "Traceback" not in result.stderr
+
+
 @pytest.mark.timeout(600)
 def test_cli_json_keys_parquet_and_report(world, tmp_path):
     import pyarrow.parquet as pq
