@@ -115,11 +115,15 @@ def test_a_tool_episode_records_the_tool_output_as_environment_tokens(tmp_path):
     records = [r for r in rollouts(run_dir) if r.status_name == "completed"]
     called = [r for r in records if r.turns == 2]
     assert called, f"no episode called the tool: {[r.episode_end for r in records]}"
+    answers = []
     for r in called:
         (start, end), = r.environment_ranges()
         tool_text = tokenizer.decode(r.completion_tokens()[start:end].tolist())
-        assert "<|im_start|>tool\n3<|im_end|>" in tool_text  # add(1, 2) answered as a tool message
+        # the tool's answer (or its error, for a sampled call with wrong arguments) as a tool message
+        assert tool_text.strip().startswith("<|im_start|>tool\n") and "<|im_end|>" in tool_text, tool_text
+        answers.append(tool_text)
         assert all(math.isnan(x) for x in r.logprobs()[start:end])
+    assert any("<|im_start|>tool\n3<|im_end|>" in t for t in answers), answers  # add(1, 2) answered
     ends = {r.episode_end for r in records}
     assert ends <= {"done", "malformed_tool_call", "max_turns"}
     assert all(r.rewards["reward"] == 0.0 for r in records if r.episode_end == "malformed_tool_call")
