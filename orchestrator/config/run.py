@@ -236,6 +236,12 @@ class RunSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Weights & Biases: `wandb = {project = "...", mode = "offline"}` turns it on; "offline" needs no
     # network (the run lands in RUN_DIR/wandb; `wandb sync` uploads it later).
     wandb: WandbConfig | None = None
+    # A run that cannot progress stops (exit 2, one line): no trainer step for stall_s while the
+    # trainer holds no batch; the line names the error kind that ended at least max_error_share of
+    # the last error_window rollouts (completed or errored), with an example, or what it waited on.
+    stall_s: float = 600.0
+    max_error_share: float = 0.9
+    error_window: int = 256
 
     def wandb_settings(self) -> WandbConfig | None:
         if self.wandb is not None:
@@ -254,6 +260,12 @@ class RunSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 raise ConfigError(f"run.{name}", f"must be > 0, got {getattr(self, name)}")
         if self.linger_s < 0:
             raise ConfigError("run.linger_s", f"must be >= 0, got {self.linger_s}")
+        if not self.stall_s > 0:
+            raise ConfigError("run.stall_s", f"must be > 0, got {self.stall_s}")
+        if not 0 < self.max_error_share <= 1:
+            raise ConfigError("run.max_error_share", f"must be in (0, 1], got {self.max_error_share}")
+        if self.error_window < 1:
+            raise ConfigError("run.error_window", f"must be >= 1, got {self.error_window}")
         return self
 
 

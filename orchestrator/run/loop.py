@@ -23,6 +23,7 @@ import numpy as np
 from orchestrator.scheduling import scheduler as sch
 from orchestrator.run.eval import run_evaluations
 from orchestrator.observe.logging import get_logger
+from orchestrator.run.guard import ProgressGuard
 from orchestrator.run.episodes import episode_rollout
 from orchestrator.run.records import InFlight, consumption_record, request_id, reward_components, settled
 from orchestrator.observe.progress import StepLine
@@ -56,6 +57,9 @@ class RunLoop:
         self.eval_wanted = anyio.Event()
         self.lost_batches: list[sch.Discard] = []  # batches of a lost trainer, settled at teardown
         self.aborting: set[int] = set()  # rollouts the scheduler asked to abort, until they end
+        rc = run.config.run
+        self.guard = ProgressGuard(stall_s=rc.stall_s, max_error_share=rc.max_error_share, window=rc.error_window,
+                                   started_at=time.monotonic())
 
     def restore_completed(self, records: dict) -> None:
         """Completed, unconsumed rollouts of a crashed run (resume.py): their groups are
@@ -73,12 +77,14 @@ class RunLoop:
 
     # -- the task group ----------------------------------------------------------------------
     async def main(self, restored_actions: list) -> None:
+        self.guard.step(time.monotonic())  # the stall is counted from the first rollout, not the start-up
         async with anyio.create_task_group() as tg:
             self._tg = tg
             tg.start_soon(self._trainer_messages)
             tg.start_soon(self._activator)
             tg.start_soon(self._loop_lag)
             tg.start_soon(self._dispatcher)
+            tg.start_soon(self._watch_progress)
             if getattr(self.run, "evaluator", None) is not None:
                 tg.start_soon(run_evaluations, self)
             if getattr(self.run, "cluster", None) is not None:
@@ -257,6 +263,7 @@ class RunLoop:
         record = build_rollout_record(entry.ctx, t, entry.completion, rewards,
                                       identity=self.run.identity, sampling=self.run.sampling)
         self.run.recorder.submit(record)
+        self.guard.terminal(t.status, t.reason or "", t.message)
         if t.status == "completed":
             entry.record = record  # its packed blobs become the trainer's sample
             entry.completion = settled(entry.completion)
@@ -350,6 +357,7 @@ class RunLoop:
             return
         _, rollout_ids, started = self.batch
         self.batch = None
+        self.guard.step(time.monotonic())
         log.info("trainer.step_done", step=m.step, version=m.version, reward=m.reward_mean, loss=m.loss)
         staleness, in_flight = [], []
         for rid in rollout_ids:
@@ -438,6 +446,19 @@ class RunLoop:
                     return
                 await anyio.sleep(min(30.0, 0.5 * 2 ** failures))
                 self._version_wanted.set()  # retry: the newest version wanted then
+
+    async def _watch_progress(self, every_s: float = 1.0) -> None:
+        """A run that cannot progress stops, naming why (`guard.ProgressGuard`)."""
+        while True:
+            await anyio.sleep(every_s)
+            scheduler = self.run.scheduler
+            verdict = self.guard.verdict(time.monotonic(), trainer_busy=self.batch is not None,
+                                         waiting_on=f"rollouts for a batch ({scheduler.inflight} in flight)")
+            if verdict is not None:
+                log.error("run.no_progress", reason=verdict)
+                self.request_stop("no progress", failure=f"{verdict}; the full log: "
+                                                         f"{self.run.run_dir / 'orchestrator.jsonl'}")
+                return
 
     async def _loop_lag(self) -> None:
         while True:

@@ -432,6 +432,9 @@ class Run:
                   "in_flight": scheduler.inflight if scheduler else None}
         if failing is not None:
             health["degraded"] = f"activation failing: {failing}"
+        note = self.loop.guard.note() if getattr(self, "loop", None) is not None else None
+        if note is not None:
+            health["ok"], health["degraded"] = False, f"rollouts failing: {note}"
         return health
 
     def _start_tracking(self) -> None:

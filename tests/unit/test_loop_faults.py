@@ -16,12 +16,13 @@ from replay.log import read_records
 from replay.records import ConsumptionRecord, DiscardRecord, RolloutRecord
 
 
-def make_run(tmp_path, fail_every: int = 0, tokens_delay: float = 0.0, grace_s: float = 30.0):
+def make_run(tmp_path, fail_every: int = 0, tokens_delay: float = 0.0, grace_s: float = 30.0,
+             stall_s: float = 600.0):
     import msgspec
 
     run = BenchRun(tmp_path, concurrency=32, rollouts=32 * 6)
     run.config = msgspec.structs.replace(
-        run.config, run=msgspec.structs.replace(run.config.run, shutdown_grace_s=grace_s))
+        run.config, run=msgspec.structs.replace(run.config.run, shutdown_grace_s=grace_s, stall_s=stall_s))
     engine = fake_engine("fake-0")
     inner = engine.generate
     count = [0]
@@ -109,3 +110,26 @@ async def test_a_stop_within_its_grace_lets_rollouts_finish(tmp_path):
     await drive(run, stop_after_s=0.5)
     records, rollouts = check(tmp_path)
     assert rollouts and all(r.status_name == "completed" for r in rollouts)
+
+
+@pytest.mark.timeout(180)
+async def test_a_reward_that_always_raises_stops_the_run_naming_it(tmp_path):
+    """The past miss: every group dropped after its retries, new ones admitted, no step, no end."""
+    from orchestrator.scoring.outcome import REWARD_ERROR, ScoreFailed
+
+    class AlwaysRaises:
+        async def score(self, prompt, completion_token_ids):
+            raise ScoreFailed(REWARD_ERROR, "reward fail_always: ValueError: no reward for you")
+
+        async def aclose(self):
+            pass
+
+    run = make_run(tmp_path, stall_s=1.0)
+    run.scorer = AlwaysRaises()
+    await drive(run)  # ends by itself: the guard's stop
+    records, rollouts = check(tmp_path)
+    assert run.scheduler.done_steps == 0 and run.loop.stop_reason == "no progress"
+    failure = run.loop.failure
+    assert "of the last" in failure and "errored(reward_error)" in failure, failure
+    assert "reward fail_always: ValueError: no reward for you" in failure and "orchestrator.jsonl" in failure
+    assert all(r.status_name != "completed" for r in rollouts)

@@ -1,0 +1,49 @@
+"""A run that cannot progress stops, naming why (issue 30, item 1): `inflight run` with a reward of the
+user's that raises on every rollout, a real engine, a real trainer. Before, it admitted new groups
+forever (tried: 420 s, no step, no exit, no line saying why)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+STALL_S = 20
+
+
+@pytest.mark.timeout(600)
+def test_a_reward_that_always_raises_exits_2_within_stall_s_naming_the_function(tmp_path, rl_model):
+    (tmp_path / "my_rewards.py").write_text(
+        "def never(completion, **row):\n    raise ValueError('the grader is down')\n")
+    (tmp_path / "train.jsonl").write_text("".join('{"prompt": "count to %d", "answer": "%d"}\n' % (i, i)
+                                                  for i in range(64)))
+    config = tmp_path / "run.toml"
+    config.write_text(f"""
+[engine]
+model = "{rl_model}"
+[task]
+dataset = "{tmp_path / 'train.jsonl'}"
+rewards = [{{ fn = "my_rewards:never" }}]
+[run]
+progress = "plain"
+stall_s = {STALL_S}
+[http]
+enabled = false
+""")
+    started = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "orchestrator.commands.cli", "run", str(config), "--run-dir",
+                          str(tmp_path / "run"), "--max-steps", "5"], capture_output=True, text=True, timeout=500)
+    took = time.monotonic() - started
+    assert out.returncode == 2, (out.returncode, out.stdout[-2000:], out.stderr[-3000:])
+    errors = [line for line in out.stderr.splitlines() if line.startswith("inflight: error:")]
+    assert len(errors) == 1, out.stderr[-3000:]
+    assert "errored(reward_error)" in errors[0] and "reward 'never'" in errors[0], errors[0]
+    assert "the grader is down" in errors[0] and "orchestrator.jsonl" in errors[0]
+    assert "Traceback" not in out.stderr
+    first = (tmp_path / "run" / "orchestrator.jsonl").read_text()
+    assert '"run.startup"' in first and '"run.no_progress"' in first
+    # bounded: start-up, then stall_s without a step, then the stop (no wall clock beyond the bound)
+    assert took < 300 + STALL_S + 60
