@@ -166,6 +166,21 @@ def render_stats(stats: dict[str, Any], *, per_step: bool = False, console: Any 
         table.add_row(label, *(_cell(summary[k]) for k in ("count", "mean", "p50", "p90", "p99", "max")))
     console.print(table)
 
+    engines = stats.get("engines") or {}
+    if len(engines) > 1 or stats.get("fleet"):
+        table = Table(title="Engines")
+        for name in ("engine", "rollouts", "completed", "tokens", "versions", "history"):
+            table.add_column(name, justify="left" if name in ("engine", "history") else "right")
+        history: dict[str, list[str]] = {}
+        for change in stats.get("fleet") or []:
+            history.setdefault(change["engine"], []).append(change["state"])
+        for name in sorted(set(engines) | set(history)):
+            e = engines.get(name, {})
+            versions = "-" if e.get("first_version") is None else f"{e['first_version']}..{e['last_version']}"
+            table.add_row(name, str(e.get("rollouts", 0)), str(e.get("completed", 0)), str(e.get("tokens", 0)),
+                          versions, " -> ".join(history.get(name, [])))
+        console.print(table)
+
     if per_step and stats["per_step"]:
         steps = Table(title="Per trainer step")
         names = list(stats["per_step"][0])

@@ -1,5 +1,6 @@
 """A vLLM general plugin (entry point `vllm.general_plugins`): the engine core and worker
-processes of an engine that inflight started ignore SIGINT, and, where asked, die with their parent.
+processes of an engine that inflight started ignore SIGINT, and, where asked, die with their parent;
+and every engine core drains the requests an activation paused when it is told to stop (SIGTERM).
 
 A terminal's Ctrl-C goes to the whole foreground process group. vLLM's engine core and worker
 processes are in it and handle SIGINT themselves: the worker raises SystemExit, the engine core
@@ -35,6 +36,7 @@ PR_SET_PDEATHSIG = 1
 
 
 def register() -> None:
+    drain_paused_requests_on_shutdown()  # every engine core in this environment, ours or a user's server
     if os.environ.get(ENGINE_CHILD_ENV) != "1" or multiprocessing.parent_process() is None:
         return
     try:
@@ -52,3 +54,29 @@ def die_with_parent(parent_pid: int | None) -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if parent_pid is not None and os.getppid() != parent_pid:  # the parent ended before the prctl
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def drain_paused_requests_on_shutdown() -> None:
+    """A SIGTERM with --shutdown-timeout > 0 drains: the engine core keeps stepping until it has
+    no work, refusing anything new. vLLM 0.32 counts no unfinished request while its scheduler
+    is paused with mode "keep" (an activation's pause), so a SIGTERM that lands during a pause
+    ends the engine at once and strands every paused request. Resuming the scheduler when the
+    shutdown is requested lets them finish like the others (under the weights they started with:
+    a swap is a utility call, and the shutting-down engine refuses those). Patched only in a
+    process that has the engine core loaded (the engine core's own)."""
+    import sys
+
+    core = sys.modules.get("vllm.v1.engine.core")
+    cls = getattr(core, "EngineCore", None)
+    original = getattr(cls, "_handle_shutdown", None)
+    if original is None or getattr(original, "_inflight_drains_paused", False):
+        return
+
+    def _handle_shutdown(self):
+        if (self.shutdown_state == core.EngineShutdownState.REQUESTED
+                and getattr(self.vllm_config, "shutdown_timeout", 0) and self.is_scheduler_paused()):
+            self.resume_scheduler()
+        return original(self)
+
+    _handle_shutdown._inflight_drains_paused = True
+    cls._handle_shutdown = _handle_shutdown

@@ -81,6 +81,7 @@ import logging
 import os
 import tempfile
 import threading
+from pathlib import Path
 import time
 from typing import Any
 
@@ -344,6 +345,21 @@ class SwapWorkerExtension(InflightWorkerExtension):
 
     def swap_status(self) -> dict:
         return self._swap()["stager"].snapshot()
+
+    def swap_identity(self) -> dict:
+        """What this worker serves: a joining engine's is compared with the run's."""
+        model = self._model_config()
+        vllm_config = getattr(self, "vllm_config", None)
+        mode = getattr(model, "logprobs_mode", None)
+        scheduler = getattr(vllm_config, "scheduler_config", None)
+        return {"model": str(Path(model.model).resolve()) if Path(str(model.model)).exists() else str(model.model),
+                "tokenizer": (str(Path(model.tokenizer).resolve()) if Path(str(model.tokenizer)).exists()
+                              else str(model.tokenizer)),
+                "dtype": str(model.dtype).removeprefix("torch."),
+                "logprobs_mode": str(getattr(mode, "value", mode) or ""),
+                "max_model_len": int(model.max_model_len),
+                "max_num_seqs": int(getattr(scheduler, "max_num_seqs", 0) or 0),
+                "lora": getattr(vllm_config, "lora_config", None) is not None}
 
     def swap_drop(self, version: str | None = None) -> dict:
         """Drop what is staged (or being staged). With `version`, only if that is the version

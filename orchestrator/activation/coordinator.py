@@ -102,6 +102,9 @@ class ActivationCoordinator(RejoinSteps):
         self._rejoin_version: dict[str, int] = {}
         # fenced engines that come back with the next version that goes live (`join_next`)
         self.joining: set[str] = set()
+        # engines on their way out of the fleet (drained, or told to stop): they finish what
+        # they hold, take no new request and no activation waits on them (`leave`)
+        self.leaving: set[str] = set()
 
     # -- queries -----------------------------------------------------------------------------
     @property
@@ -111,10 +114,10 @@ class ActivationCoordinator(RejoinSteps):
     @property
     def serving(self) -> tuple[str, ...]:
         """Engines that may receive new requests."""
-        return tuple(e for e in self.engines if e not in self.fenced)
+        return tuple(e for e in self.engines if e not in self.fenced and e not in self.leaving)
 
     def may_dispatch(self, engine: str) -> bool:
-        return engine in self.engines and engine not in self.fenced
+        return engine in self.engines and engine not in self.fenced and engine not in self.leaving
 
     @property
     def pauses(self) -> bool:
@@ -130,10 +133,12 @@ class ActivationCoordinator(RejoinSteps):
             raise CoordinatorError(f"version {version} is not newer than the live {self.live_version}")
         if rollback and self.strategy == "pause_swap":
             raise CoordinatorError("rollback is a flip back: it needs double buffering")
-        participants = [e for e in self.engines if e not in self.fenced and e not in self.rejoining]
+        participants = [e for e in self.engines
+                        if e not in self.fenced and e not in self.rejoining and e not in self.leaving]
         # A rollback flips back to what the serving engines' other buffer holds; a joiner's
         # other buffer holds nothing of it.
-        joiners = [] if rollback else [e for e in self.engines if e in self.joining and e not in self.rejoining]
+        joiners = [] if rollback else [e for e in self.engines
+                                       if e in self.joining and e not in self.rejoining and e not in self.leaving]
         self.version, self.rollback, self.started_at, self.messages = version, rollback, at, []
         self._applied = False
         self._kv_kept = False

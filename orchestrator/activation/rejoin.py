@@ -37,12 +37,44 @@ class CoordinatorError(RuntimeError):
 
 
 class RejoinSteps:
-    """`rejoin`, `join_next`, `abandon_rejoin` and the rejoin's event handling."""
+    """`rejoin`, `join_next`, `abandon_rejoin` and the rejoin's event handling; the fleet's
+    membership: `add_engine`, `leave`, `remove_engine`."""
+
+    # -- membership --------------------------------------------------------------------------
+    def add_engine(self, engine: str) -> None:
+        """A new engine enters the fleet fenced: it serves only once `rejoin` has brought it to
+        the live version (its weights are whatever it started with)."""
+        if engine in self.engines:
+            raise CoordinatorError(f"{engine} is already in the fleet")
+        self.engines = (*self.engines, engine)
+        self.fenced.add(engine)
+
+    def leave(self, engine: str) -> list[Action]:
+        """An engine is on its way out (drained, or its server was told to stop): no new request
+        and no later activation includes it; what it holds finishes under the weights it has.
+        An activation already under way keeps it (its steps were sent); a rejoin is given up."""
+        if engine not in self.engines:
+            raise CoordinatorError(f"{engine} is not in the fleet")
+        self.leaving.add(engine)
+        self.joining.discard(engine)
+        return self.abandon_rejoin(engine)
+
+    def remove_engine(self, engine: str) -> None:
+        """The engine has left: forgotten. Only between activations (the performer holds its
+        activation lock), so no activation's state refers to it."""
+        if self.phase != IDLE and engine in self.runs:
+            raise CoordinatorError(f"{engine} takes part in the activation of {self.version}")
+        self.engines = tuple(e for e in self.engines if e != engine)
+        for state in (self.fenced, self.joining, self.leaving):
+            state.discard(engine)
+        self.rejoining.pop(engine, None)
 
     def rejoin(self, engine: str, at: float) -> list[Action]:
         """Bring a fenced engine back: re-sync it to the live version, then unfence it."""
         if engine not in self.fenced:
             raise CoordinatorError(f"{engine} is not fenced")
+        if engine in self.leaving:
+            raise CoordinatorError(f"{engine} is leaving the fleet")
         if engine in self.rejoining:
             return []
         self.joining.discard(engine)  # re-synced to the live version instead

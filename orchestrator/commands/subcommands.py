@@ -53,6 +53,7 @@ def register(sub, bench_sub) -> None:
                              "model directory) instead of the adapter directory")
     export.set_defaults(func=cmd_export_model)
     __import__("orchestrator.commands.eval", fromlist=["register"]).register(sub)
+    __import__("orchestrator.commands.fleet", fromlist=["register"]).register(sub)
     __import__("orchestrator.bench.activation", fromlist=["register"]).register(bench_sub)
     __import__("orchestrator.bench.orchestrator", fromlist=["register"]).register(bench_sub)
     __import__("orchestrator.bench.time_to_reward", fromlist=["register"]).register(bench_sub)

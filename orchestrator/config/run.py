@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 import tomllib
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ import msgspec
 from orchestrator.config.task import EvalConfig, TaskConfig
 from orchestrator.config.trainer import LoraConfig, TrainerConfig
 from orchestrator.config.cluster import ClusterConfig
+from orchestrator.config.fleet import FleetConfig
 from orchestrator.config.sampling import check_sampling
 from orchestrator.errors import ConfigError
 from replay.records import SamplingSettings
@@ -50,6 +52,9 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     enable_lora: bool = False
     max_lora_rank: int = 16
     max_loras: int = 1
+    # kind="server": vLLM's --shutdown-timeout (seconds a SIGTERM lets in-flight requests finish
+    # while new ones are refused); set by `inflight run` from fleet.drain_s. None: vLLM's (abort).
+    shutdown_timeout_s: int | None = None
 
     def validate(self) -> EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 16:
@@ -304,6 +309,8 @@ class RunConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     eval: EvalConfig = EvalConfig()
     # A run over the hosts of a Ray cluster (docs/cluster.md); absent: one host.
     cluster: ClusterConfig | None = None
+    # Engines that join, leave and are replaced mid-run (docs/fleet.md).
+    fleet: FleetConfig = FleetConfig()
 
     def validate(self) -> RunConfig:
         if isinstance(self.engines, int) and self.engines < 1:
@@ -314,7 +321,7 @@ class RunConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         check_sampling(self.sampling)
         check_training_sampling(self.sampling)
         for section in (self.activation, self.scheduler, self.trainer, self.task, self.transport,
-                        self.run, self.http, self.eval):
+                        self.run, self.http, self.eval, self.fleet):
             section.validate()
         if self.eval.every_steps:
             self.eval.task_config(self.task)  # the eval task's fields must be valid too
@@ -333,6 +340,8 @@ class RunConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         base = self.engine
         if base.worker_extension_cls is None:
             base = msgspec.structs.replace(base, worker_extension_cls=SWAP_EXTENSION)
+        if base.shutdown_timeout_s is None:  # a SIGTERM drains like `inflight fleet drain`
+            base = msgspec.structs.replace(base, shutdown_timeout_s=math.ceil(self.fleet.drain_s))
         lora = self.trainer.lora
         if lora is not None:  # every version is an adapter the engines load natively
             base = msgspec.structs.replace(base, enable_lora=True, max_lora_rank=lora.engine_rank,

@@ -13,6 +13,7 @@ URL). Every remote call carries a timeout; a dead engine raises `EngineDeadError
 from __future__ import annotations
 
 import abc
+import json
 from collections.abc import AsyncIterator, Sequence
 from typing import Literal
 
@@ -186,6 +187,18 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     async def shutdown(self) -> None:
         """Stop the engine (and any process this object started); idempotent."""
+
+    async def leaving(self) -> bool:
+        """True when the engine was told to stop and is draining (a server's SIGTERM): it
+        finishes what it holds and refuses anything new. Never raises."""
+        return False
+
+    async def identity(self) -> dict:
+        """What the engine serves, as its workers see it (`transports.swap` `swap_identity`):
+        model, tokenizer, dtype, logprobs mode, LoRA. A joiner's is checked against the run's."""
+        results = await self.collective_rpc("swap_identity")
+        first = results[0] if isinstance(results, list) and results else results
+        return json.loads(first) if isinstance(first, str) else dict(first)
 
     async def complete(self, request_id: str, prompt_token_ids: Sequence[int],
                        sampling: SamplingSettings) -> Completion:

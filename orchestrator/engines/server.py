@@ -92,6 +92,8 @@ def server_command(config: EngineConfig, port: int, host: str = "127.0.0.1") -> 
     cmd.append("--enable-prefix-caching" if config.enable_prefix_caching else "--no-enable-prefix-caching")
     if config.logprobs_mode:
         cmd += ["--logprobs-mode", config.logprobs_mode]
+    if config.shutdown_timeout_s:
+        cmd += ["--shutdown-timeout", str(int(config.shutdown_timeout_s))]
     if config.worker_extension_cls:
         cmd += ["--worker-extension-cls", config.worker_extension_cls]
     if config.weight_transfer_backend:
@@ -132,8 +134,11 @@ def chunk_from_sse(data: dict) -> TokenChunk | None:
 
 class ServerEngine(Engine):
     def __init__(self, config: EngineConfig, engine_id: str = "engine-0",
-                 log_dir: str | os.PathLike | None = None) -> None:
+                 log_dir: str | os.PathLike | None = None, expect: dict | None = None) -> None:
+        """`expect`: an attached server must serve this identity (`Engine.identity` of an engine
+        of the run), checked before it is reset; a mismatch is a ConfigError naming the field."""
         self.config = config.validate()
+        self.expect = expect
         self.engine_id = engine_id
         self.url = config.url.rstrip("/") if config.url else None
         self.process: subprocess.Popen | None = None
@@ -158,6 +163,9 @@ class ServerEngine(Engine):
         if launched:  # a server of our own serves the base model already: version 0
             await self.set_weight_version(0)
         elif self.config.worker_extension_cls:
+            if self.expect is not None:
+                await self._check_serves(str(Path(self.config.model).resolve()))
+                await self.check_identity(self.expect)
             await self.reset_to_base()
 
     async def _launch(self) -> None:
@@ -245,6 +253,23 @@ class ServerEngine(Engine):
         if not any(path == model or Path(path).resolve() == Path(model) for path in served if path):
             raise ConfigError("engine.url", f"{self.engine_id} at {self.url} serves {served or 'no model'}, not this "
                                             f"run's model {model}: attach a server started with --model {model}")
+
+    async def check_identity(self, expected: dict) -> None:
+        """Refuse a server whose workers serve something else than `expected` (model, tokenizer,
+        dtype, logprobs mode, LoRA), naming the first field that differs."""
+        try:
+            mine = await self.identity()
+        except EngineGenerateError as exc:
+            raise ConfigError("worker_extension_cls", f"{self.engine_id} at {self.url} cannot report what it "
+                                                      f"serves ({exc}); start it with --worker-extension-cls "
+                                                      f"{self.config.worker_extension_cls}") from None
+        for name in ("model", "tokenizer", "dtype", "logprobs_mode", "lora"):
+            if mine.get(name) != expected.get(name):
+                raise ConfigError(name, f"{self.engine_id} at {self.url} serves {name} = {mine.get(name)!r}; "
+                                        f"this run's engines serve {expected.get(name)!r}")
+        if int(mine.get("max_model_len") or 0) < int(expected.get("max_model_len") or 0):
+            raise ConfigError("max_model_len", f"{self.engine_id} at {self.url} takes {mine.get('max_model_len')} "
+                                               f"tokens; this run's engines take {expected.get('max_model_len')}")
 
     async def _abandon_start(self) -> None:
         self._dead = True
@@ -409,6 +434,19 @@ class ServerEngine(Engine):
             self._dead = False
             return True
         return False
+
+    async def leaving(self) -> bool:
+        """A server told to stop (SIGTERM) with --shutdown-timeout drains: its engine core
+        refuses every utility call with "Server shutting down" while in-flight requests finish
+        (vLLM 0.32; /health still answers 200 then). An exited server is gone, not leaving."""
+        if self._client is None or await self._process_gone():
+            return False
+        try:
+            response = await self.client.post("/collective_rpc", json={"method": "swap_status"},
+                                              timeout=min(5.0, self.config.control_timeout_s))
+        except httpx.HTTPError:
+            return False
+        return response.status_code >= 500 and "shutting down" in response.text.lower()
 
     async def _post(self, path: str, **kwargs):
         return await self._request("POST", path, **kwargs)

@@ -30,6 +30,7 @@ import anyio
 from orchestrator.activation import coordinator as act
 from orchestrator.engines.base import Engine
 from orchestrator.fleet.adapters import AdapterStaging, AdapterStore
+from orchestrator.fleet.membership import FleetMembership
 from orchestrator.errors import EngineDeadError, EngineError
 from orchestrator.observe.logging import get_logger
 from orchestrator.fleet.rollouts import (  # noqa: F401 - re-exported: the fleet's request half
@@ -43,6 +44,9 @@ from orchestrator.fleet.rollouts import (  # noqa: F401 - re-exported: the fleet
 )
 
 log = get_logger(__name__)
+SHUTTING_DOWN = "server shutting down"  # what a vLLM server told to stop answers every control call
+
+
 @dataclass(frozen=True)
 class FleetTimeouts:
     rpc_s: float = 60.0
@@ -50,7 +54,7 @@ class FleetTimeouts:
     poll_s: float = 0.02
 
 
-class Fleet(AdapterStaging, RolloutStreams):
+class Fleet(AdapterStaging, RolloutStreams, FleetMembership):
     def __init__(self, engines: Sequence[Engine], *, strategy: act.Strategy = "pause_swap",
                  kv_policy: act.KvPolicy = "recompute", timeouts: act.PhaseTimeouts | None = None,
                  fleet_timeouts: FleetTimeouts | None = None, live_version: int = 0,
@@ -86,6 +90,7 @@ class Fleet(AdapterStaging, RolloutStreams):
         # engine was labelled with before the fleet's live version moved.
         self._salt_unsettled: set[str] = set()
         self._salt_version: dict[str, int] = {}
+        self.init_membership()
 
     @classmethod
     def from_config(cls, engines: Sequence[Engine], config, **kwargs) -> Fleet:
@@ -122,6 +127,7 @@ class Fleet(AdapterStaging, RolloutStreams):
             raise ValueError("setup: the filesystem transport needs root")
         base = {"plan": plan_json, "root": None if root is None else str(root), "strategy": self.worker_strategy(),
                 "timeout_s": timeout_s, "live_version": self.live_version, "transport": transport, **extra}
+        self._init_args = (dict(base), None if engine_options is None else dict(engine_options))
         async with anyio.create_task_group() as tg:
             for engine_id, engine in self.engines.items():
                 cfg = dict(base)
@@ -331,6 +337,7 @@ class Fleet(AdapterStaging, RolloutStreams):
                 return None
             if isinstance(a, act.Unfence):
                 log.info("fleet.unfenced", engine=e, version=a.version)
+                self.set_state(e, "serving", f"serves version {a.version}")
                 return None
         except EngineDeadError as exc:
             return act.EngineDied(engine=e, at=now(), error=str(exc))
@@ -389,6 +396,8 @@ class Fleet(AdapterStaging, RolloutStreams):
                 return act.StageFailed(engine=engine.engine_id, at=time.monotonic(), version=a.version,
                                        error="no previous version to roll back to")
             return act.Staged(engine=engine.engine_id, at=time.monotonic(), version=a.version)
+        if a.engine in self.coordinator.rejoining and await self.staged_before(engine, a.version):
+            return act.Staged(engine=engine.engine_id, at=time.monotonic(), version=a.version)
         source = self._stage_source if a.engine not in self.coordinator.rejoining else {}
         # No attempt: the worker stages the committed version (its COMPLETE marker and the attempt
         # written there), whichever try of the trainer's synchronizer committed it.
@@ -435,7 +444,16 @@ class Fleet(AdapterStaging, RolloutStreams):
 
     def _fence(self, engine_id: str, reason: str) -> None:
         """No new requests; its in-flight rollouts end `errored(engine_fenced)`."""
+        if SHUTTING_DOWN in reason.lower() and engine_id not in self.coordinator.leaving:
+            # A SIGTERM'd server refuses the activation's calls while it drains what it holds:
+            # it is leaving, not dead; its rollouts finish (the keeper sees it out).
+            log.warning("fleet.leaving", engine=engine_id, reason=reason)
+            self.coordinator.leaving.add(engine_id)
+            self.set_state(engine_id, "draining", "its server was told to stop (SIGTERM)")
+            return
         log.warning("fleet.fenced", engine=engine_id, reason=reason)
+        if engine_id not in self.coordinator.leaving:
+            self.set_state(engine_id, "fenced", reason)
         for t in list(self.tracks.values()):
             if t.engine == engine_id:
                 t.fenced = True

@@ -72,6 +72,8 @@ class Track:
     # > 0: that many prompt tokens came from the prefix cache under weights not known (see
     # `Fleet._note_prompt_cache`)
     prompt_unknown: int = 0
+    abort_sent: bool = False  # the fleet asked its engine to abort it (an abort not asked for is the engine's)
+    left: bool = False  # aborted because its engine left the fleet (`FleetMembership.drain`)
 
 
 @dataclass
@@ -186,7 +188,7 @@ class RolloutStreams:
             completion = await self._generate_once(prompt_token_ids, sampling, engine_id,
                                                    request_id if attempts == 1 else None, final_only)
             completion.attempts = attempts
-            if (completion.status == "dropped" and completion.reason == "aborted" and redispatch
+            if (completion.status == "dropped" and completion.reason in ("aborted", "engine_refused") and redispatch
                     and attempts <= self.max_redispatch):
                 continue
             return completion
@@ -238,10 +240,18 @@ class RolloutStreams:
                         track.n_tokens += len(ids)  # progress, readable while it streams
                     if chunk.finished:
                         finish, spans, engine_prompt = chunk.finish_reason, chunk.version_spans, chunk.prompt_token_ids
-            fenced = scope.cancelled_caught or track.fenced
-            reported = fenced or await self._switch_reported(track)
-            if fenced:
+            fenced = (scope.cancelled_caught or track.fenced) and not track.left
+            reported = fenced or track.left or await self._switch_reported(track)
+            if track.left:
+                status, reason = "dropped", "aborted"
+                message = f"{target} left the fleet before this rollout finished (fleet.drain_s passed)"
+            elif fenced:
                 status, reason = "errored", "engine_fenced"
+            elif finish == "abort" and not tokens and not (track.abort_sent or track.aborted_by_activation):
+                # Nobody here asked: the engine refused it (a server told to stop drains what it
+                # holds and aborts every new request): the membership watcher finds out why.
+                status, reason = "dropped", "engine_refused"
+                message = f"{target} aborted the request before its first token without being asked"
             elif finish == "abort":
                 status, reason = "dropped", "aborted"
             elif not reported:
@@ -292,6 +302,7 @@ class RolloutStreams:
                                      track.dispatched_version, carried, status, reason, finish,
                                      dispatched_at=track.started_at, first_token_at=track.first_token_at,
                                      finished_at=time.time(), message=message, engine_prompt_token_ids=engine_prompt)
+        self.note_served(target, track.dispatched_version, len(tokens))
         if self.on_outcome is not None:
             self.on_outcome(completion)
         return completion
@@ -343,6 +354,7 @@ class RolloutStreams:
         for rid in request_ids:
             track = self.tracks.get(rid)
             if track is not None:
+                track.abort_sent = True
                 by_engine.setdefault(track.engine, []).append(rid)
             elif rid in self._gate_waiters:  # not sent yet: waiting at a drain gate
                 self._gate_waiters[rid].cancel()
@@ -354,9 +366,9 @@ class RolloutStreams:
                     tg.start_soon(self._abort_on, engine_id, rids)
 
     async def _abort_on(self, engine_id: str, request_ids: Sequence[str]) -> None:
-        engine = self.engines[engine_id]
+        engine = self.engines.get(engine_id)  # None: it left the fleet (its requests end with it)
         live = [rid for rid in request_ids if rid in self.tracks]
-        if not live:
+        if not live or engine is None:
             return
         with anyio.move_on_after(self.ft.rpc_s):
             try:

@@ -27,6 +27,8 @@ class RunMetrics:
                                    buckets=LAG_BUCKETS, registry=r)
         self.in_flight_lag = Histogram("inflight_in_flight_lag_steps", "Last minus first version of a consumed "
                                        "sample's tokens", buckets=LAG_BUCKETS, registry=r)
+        self.engines = Gauge("inflight_engines", "Engines of the fleet by state (joining, serving, fenced, "
+                             "draining, left, lost, refused)", ["state"], registry=r)
         self.live_version = Gauge("inflight_live_version", "The policy version every serving engine runs", registry=r)
         self.activation = Histogram("inflight_activation_seconds", "Activation time per engine by phase",
                                     ["phase"], buckets=SECONDS_BUCKETS, registry=r)

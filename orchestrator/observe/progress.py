@@ -35,6 +35,7 @@ class ProgressState:
     live_version: int = 0
     inflight: int = 0
     status: str = "starting"
+    engines: int | None = None  # serving engines (None: not known yet)
     started: float = field(default_factory=time.monotonic)
 
 
@@ -114,7 +115,7 @@ class Progress:
         table.add_row("reward", _fmt(last.reward if last else None), "live version", f"v{s.live_version}")
         table.add_row("staleness", f"mean {_fmt(last.staleness_mean if last else None, '.2f')} "
                                    f"max {_fmt(last.staleness_max if last else None, 'd')}",
-                      "in flight", str(s.inflight))
+                      "in flight", str(s.inflight) + (f"  ({s.engines} engines serving)" if s.engines is not None else ""))
         table.add_row("tokens/s", f"{last.tokens_per_s:.0f}" if last else "-", "last activation", s.last_activation)
         table.add_row("reward curve", sparkline([x.reward or 0.0 for x in list(s.steps)[-60:]]),
                       "last eval" if s.last_eval else "", s.last_eval)

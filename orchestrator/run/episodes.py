@@ -79,12 +79,11 @@ class EpisodeTurns:
             if c.status == "completed":
                 return self._turn(c, prompt_ids)
             if c.status == "dropped":
+                if c.reason == "engine_refused":
+                    loop.keeper.engine_refused(c.engine_id)
                 raise EpisodeAborted(c.message or "aborted during a turn")
             if c.reason == "engine_died":
-                loop.handle(sch.EngineDown(engine=c.engine_id))
-                await fleet.engine_died(c.engine_id, c.message)
-                if not fleet.coordinator.serving:
-                    loop.request_stop("no engine serves", failure="every engine died or was fenced")
+                await loop.engine_dead(c.engine_id, c.message)
             elif c.reason == "engine_fenced":  # fenced under the turn (a death seen by an activation, say)
                 loop._engines_fenced()
             if c.reason in ("engine_died", "engine_fenced") and self.first is not None and fleet.coordinator.serving:

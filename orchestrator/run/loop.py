@@ -23,6 +23,7 @@ import numpy as np
 from orchestrator.scheduling import scheduler as sch
 from orchestrator.run.eval import run_evaluations
 from orchestrator.observe.logging import get_logger
+from orchestrator.run.fleet_keeper import FleetKeeper
 from orchestrator.run.guard import ProgressGuard
 from orchestrator.run.episodes import episode_rollout
 from orchestrator.run.records import InFlight, consumption_record, request_id, reward_components, settled
@@ -58,6 +59,7 @@ class RunLoop:
         self.lost_batches: list[sch.Discard] = []  # batches of a lost trainer, settled at teardown
         self.aborting: set[int] = set()  # rollouts the scheduler asked to abort, until they end
         rc = run.config.run
+        self.keeper = FleetKeeper(self)
         self.guard = ProgressGuard(stall_s=rc.stall_s, max_error_share=rc.max_error_share, window=rc.error_window,
                                    started_at=time.monotonic())
 
@@ -85,6 +87,7 @@ class RunLoop:
             tg.start_soon(self._loop_lag)
             tg.start_soon(self._dispatcher)
             tg.start_soon(self._watch_progress)
+            tg.start_soon(self.keeper.main)
             if getattr(self.run, "evaluator", None) is not None:
                 tg.start_soon(run_evaluations, self)
             if getattr(self.run, "cluster", None) is not None:
@@ -213,6 +216,8 @@ class RunLoop:
                 entry.rewards = rewards
                 self._finished(d, completion, "completed")
             elif completion.status == "dropped":
+                if completion.reason == "engine_refused":  # down first: its replacement must go elsewhere
+                    self.keeper.engine_refused(completion.engine_id)
                 self._finished(d, completion, "aborted", message=completion.message)
             else:
                 if completion.reason == "engine_died":
@@ -220,9 +225,7 @@ class RunLoop:
                     self.handle(sch.EngineDown(engine=completion.engine_id))
                 self._finished(d, completion, "errored", completion.reason, completion.message)
                 if completion.reason == "engine_died":
-                    await self.run.fleet.engine_died(completion.engine_id, completion.message)
-                    if not self.run.fleet.coordinator.serving:
-                        self.request_stop("no engine serves", failure="every engine died or was fenced")
+                    await self.engine_dead(completion.engine_id, completion.message)
         except BaseException:
             # Cancelled (shutdown past its grace): the scheduler already chose the drop reason.
             self._finished(d, completion, "aborted")
@@ -233,9 +236,18 @@ class RunLoop:
         for the scheduler, fenced in the fleet (its rollouts end errored and their groups are
         retried elsewhere); with none left serving, the run stops."""
         log.warning("engine.lost", engine=engine_id, error=message)
+        await self.engine_dead(engine_id, message)
+
+    async def engine_dead(self, engine_id: str, message: str) -> None:
+        """Down for the scheduler, fenced in the fleet; replaced where `fleet.replace` says so."""
         self.handle(sch.EngineDown(engine=engine_id))
         await self.run.fleet.engine_died(engine_id, message)
-        if not self.run.fleet.coordinator.serving:
+        self.keeper.engine_lost(engine_id, message)
+        self.check_serving()
+
+    def check_serving(self) -> None:
+        """With no engine serving and none on its way (a join, a replacement), the run stops."""
+        if not self.run.fleet.coordinator.serving and not self.keeper.may_recover():
             self.request_stop("no engine serves", failure="every engine died or was fenced")
 
     def _engines_fenced(self) -> None:
@@ -245,8 +257,7 @@ class RunLoop:
         coordinator = self.run.fleet.coordinator
         for engine in coordinator.fenced:
             self.handle(sch.EngineDown(engine=engine))
-        if not coordinator.serving:
-            self.request_stop("no engine serves", failure="every engine died or was fenced")
+        self.check_serving()
 
     def _finished(self, d: sch.Dispatch, completion, outcome: str, kind: str = "", message: str = "") -> None:
         if d.rollout_id not in self.run.scheduler.rollouts:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import os
+import secrets
 import signal
 import time
 import uuid
@@ -238,6 +239,7 @@ class Run:
         engine_configs = [(engine_id, msgspec.structs.replace(engine_config, model=model_dir,
                                                               logprobs_mode=self.logprobs_mode))
                           for engine_id, engine_config in config.engine_configs()]
+        self.engine_base_config = engine_configs[0][1]  # what an engine that joins mid-run is held to
         if self.cluster is not None:
             self.engines = []
             with self.startup.phase("placement"):
@@ -289,6 +291,8 @@ class Run:
         self.metrics.live_version.set(self.fleet.live_version)
         self.progress.state.live_version = self.fleet.live_version
         self.scheduler = sch.Scheduler(config.scheduler, [e.engine_id for e in self.engines],
+                                       capacities={e.engine_id: e.config.max_num_seqs for e in self.engines},
+                                       min_engines=config.fleet.min_engines,
                                        max_steps=self.max_steps, done_steps=ready.step,
                                        live_version=self.fleet.live_version, published_version=ready.version,
                                        next_group_id=restored.next_group_id, max_groups=self._max_groups())
@@ -411,11 +415,31 @@ class Run:
             self.http_socket = self.http.bind()
         except OSError as exc:
             raise ConfigError("http.port", f"cannot listen on {host}:{self.config.http.port}: {exc}") from None
+        self._serve_fleet_control(app)
+
+    def _serve_fleet_control(self, app) -> None:
+        """GET /fleet, and the token-guarded POST /fleet/engines and /fleet/engines/{id}/drain
+        (`inflight fleet add|drain RUN_DIR ...` read the token from RUN_DIR/control.token)."""
+        from orchestrator.run.fleet_keeper import fleet_routes, write_control_token
+
+        token = secrets.token_urlsafe(24)
+        write_control_token(self.run_dir, token)
+        app.router.routes.extend(fleet_routes(lambda: getattr(getattr(self, "loop", None), "keeper", None)
+                                              if getattr(self, "fleet", None) is not None
+                                              and getattr(self, "scheduler", None) is not None else None, token))
 
     def _live_stats(self, filters) -> dict | None:
         """/stats over the live log; None (503) while the run is starting."""
         recorder = getattr(self, "recorder", None)
-        return recorder.stats(filters) if recorder is not None else None
+        if recorder is None:
+            return None
+        stats = recorder.stats(filters)
+        fleet = getattr(self, "fleet", None)
+        if fleet is not None and stats is not None:  # what `inflight stats` reads from RUN_DIR/fleet.jsonl
+            from replay.query.fromlog import fleet_history
+
+            stats["fleet"] = fleet_history(self.run_dir) or []
+        return stats
 
     def _live_metrics(self) -> bytes | None:
         metrics = getattr(self, "metrics", None)
@@ -435,6 +459,11 @@ class Run:
         note = self.loop.guard.note() if getattr(self, "loop", None) is not None else None
         if note is not None:
             health["ok"], health["degraded"] = False, f"rollouts failing: {note}"
+        keeper = getattr(getattr(self, "loop", None), "keeper", None)
+        if fleet is not None:
+            health["engines"] = fleet.member_counts()
+        if keeper is not None and keeper.paused_why is not None:
+            health["ok"], health["degraded"] = False, keeper.paused_why
         return health
 
     def _start_tracking(self) -> None:

@@ -77,7 +77,34 @@ def stats_from_log(run_dir: str | os.PathLike[str], filters: Filters | None = No
         directory=reader.log_dir, records=records, corrupt_records=reader.corrupt_records,
         invalid_records=reader.invalid_records, torn_tail_bytes=reader.torn_tail_bytes,
         unknown_records=reader.unknown_records, missing_segments=reader.missing_segments)
+    fleet = fleet_history(run_dir)
+    if fleet is not None:
+        stats["fleet"] = fleet
     return stats
+
+
+FLEET_LOG = "fleet.jsonl"  # written by the run (orchestrator/run/fleet_keeper.py): one line per change
+
+
+def fleet_history(run_dir: str | os.PathLike[str]) -> list[dict] | None:
+    """The run's engines joining, draining, lost and replaced over time (RUN_DIR/fleet.jsonl),
+    one entry per change of an engine's state; None for a run without the file. A torn last
+    line (the run died mid-write) is skipped."""
+    import json
+
+    path = os.path.join(os.fspath(run_dir), FLEET_LOG)
+    try:
+        with open(path) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    out = []
+    for line in lines:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
 
 
 def _read_ahead(reader: LogReader, *, digests: bool) -> Iterator[tuple[str, bool, bytes, SegmentKey]]:

@@ -121,6 +121,7 @@ def compute_stats(columns: Columns, filters: Filters | None = None) -> dict[str,
     return {
         "filters": msgspec.to_builtins(filters),
         "rollouts": _status_counts(columns, mask),
+        "engines": _per_engine(columns, mask),
         "staleness": summarize(staleness, histogram=True),
         "in_flight_lag": summarize(in_flight, histogram=True),
         "queue_lag": summarize(staleness - in_flight, histogram=True),
@@ -171,6 +172,23 @@ def _trainer_version(columns: Columns, rows: np.ndarray) -> np.ndarray:
 
 def _fraction(part: int, whole: int) -> float | None:
     return part / whole if whole else None
+
+
+def _per_engine(columns: Columns, mask: np.ndarray) -> dict[str, dict[str, Any]]:
+    """Per engine: rollouts that ended on it, completed ones, completion tokens it sampled, and
+    the first and last policy version its tokens came from (None: it sampled no token)."""
+    out: dict[str, dict[str, Any]] = {}
+    for code, name in enumerate(columns.engines):
+        rows = mask & (columns.engine == code)
+        n = int(rows.sum())
+        if not n:
+            continue
+        sampled = rows & (columns.n_tokens > 0)
+        out[name] = {"rollouts": n, "completed": int((rows & (columns.status == 0)).sum()),
+                     "tokens": int(columns.n_tokens[rows].sum()),
+                     "first_version": int(columns.span_start[sampled].min()) if sampled.any() else None,
+                     "last_version": int(columns.span_end[sampled].max()) if sampled.any() else None}
+    return out
 
 
 def _status_counts(columns: Columns, mask: np.ndarray) -> dict[str, int]:

@@ -223,11 +223,14 @@ def test_sigkill_then_resume_keeps_every_invariant_and_reaches_the_step_count(cr
 
 
 @pytest.mark.timeout(1200)
-def test_one_of_two_engines_killed_mid_run_errors_its_rollouts_and_the_run_goes_on(tmp_path, rl_model):
+def test_one_of_two_engines_killed_mid_run_is_replaced_and_the_run_goes_on(tmp_path, rl_model):
+    """`fleet.replace`: the killed engine's rollouts end errored, a new engine of the same settings
+    joins (at the live version) and serves; with `fleet.min_engines = 2` no new group is admitted
+    until it does."""
     import psutil
 
     run_dir = tmp_path / "run"
-    config = write_config(tmp_path / "run.toml", rl_model)
+    config = write_config(tmp_path / "run.toml", rl_model, extra="[fleet]\nreplace = true\nmin_engines = 2\n")
     config.write_text("engines = 2\n" + config.read_text())
     log = tmp_path / "out.log"
     proc = start([str(config), "--run-dir", str(run_dir), "--max-steps", "14"], log)
@@ -255,5 +258,17 @@ def test_one_of_two_engines_killed_mid_run_errors_its_rollouts_and_the_run_goes_
     after = max([fenced_at] + [r.timings.dispatched_at for r in errored])
     late = [r for r in rollouts if r.status_name == "completed" and r.timings.dispatched_at > after]
     assert late and all(r.engine_id != dead for r in late)
+    history = [json.loads(line) for line in (run_dir / "fleet.jsonl").read_text().splitlines()]
+    replacement = [h for h in history if h["source"] == f"replacement of {dead}"]
+    assert [h["state"] for h in replacement] == ["joining", "serving"], history
+    assert ("lost" in [h["state"] for h in history if h["engine"] == dead]), history
+    served = [r for r in late if r.engine_id == replacement[0]["engine"]]
+    joined = [json.loads(line) for line in (run_dir / "orchestrator.jsonl").read_text().splitlines()
+              if '"fleet.joined"' in line]
+    assert [j["engine"] for j in joined] == [replacement[0]["engine"]], joined
+    assert served and min(r.version_span[0] for r in served) >= joined[0]["version"] >= 1, joined
+    paused = [json.loads(line) for line in (run_dir / "orchestrator.jsonl").read_text().splitlines()
+              if '"fleet.below_minimum"' in line]
+    assert paused, "one engine serving below fleet.min_engines = 2 paused admission"
     rewards = reward_by_step(records)
     assert rewards[14] > rewards[1]
