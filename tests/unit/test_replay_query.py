@@ -196,7 +196,16 @@ def expected_stats(truths: list[Truth], activations: list, *, steps=(None, None)
         })
     stale_in_flight = sum(t.status == "dropped" and t.reason == "stale" for t in chosen)
     stale_completed = sum(t.discarded == "stale" for t in chosen)
+    per_engine = {}
+    for name in sorted({t.engine for t in chosen}):
+        mine = [t for t in chosen if t.engine == name]
+        sampled = [t.token_versions for t in mine if t.token_versions]
+        per_engine[name] = {"rollouts": len(mine), "completed": sum(t.status == "completed" for t in mine),
+                            "tokens": sum(len(t.token_versions) for t in mine),
+                            "first_version": min(v[0] for v in sampled) if sampled else None,
+                            "last_version": max(v[-1] for v in sampled) if sampled else None}
     return {
+        "engines": per_engine,
         "rollouts": {"completed": sum(t.status == "completed" for t in chosen),
                      "dropped": sum(t.status == "dropped" for t in chosen),
                      "errored": sum(t.status == "errored" for t in chosen), "total": len(chosen)},

@@ -1,0 +1,95 @@
+"""The fleet's control surface without a run: `[fleet]` refused by field, the token-guarded
+routes' refusals (orchestrator/run/fleet_keeper.py), `inflight fleet` with no live run, and the
+per-engine statistics of `inflight stats`."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+
+import pytest
+
+from orchestrator.errors import ConfigError
+
+
+@pytest.mark.parametrize("field,value", [("drain_s", 0), ("min_engines_wait_s", -1), ("probe_s", 0),
+                                         ("min_engines", -1)])
+def test_a_bad_fleet_setting_is_refused_naming_it(field, value):
+    with pytest.raises(ConfigError) as refused:
+        _load(f"[fleet]\n{field} = {value}\n")
+    assert refused.value.field == f"fleet.{field}"
+
+
+def _load(text: str):
+    import tempfile
+
+    from orchestrator.config.run import load_config
+
+    with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
+        f.write(text)
+    try:
+        return load_config(f.name)
+    finally:
+        os.unlink(f.name)
+
+
+def test_servers_the_run_starts_drain_on_sigterm_for_fleet_drain_s():
+    from orchestrator.engines.server import server_command
+
+    config = _load('[fleet]\ndrain_s = 42.5\n[engine]\nkind = "server"\n')
+    engine = config.engine_configs()[0][1]
+    assert engine.shutdown_timeout_s == 43
+    command = server_command(engine, 8000)
+    assert command[command.index("--shutdown-timeout") + 1] == "43"
+
+
+def client(token: str = "secret"):
+    from starlette.applications import Starlette
+    from starlette.testclient import TestClient
+
+    from orchestrator.run.fleet_keeper import fleet_routes
+
+    return TestClient(Starlette(routes=fleet_routes(lambda: None, token)))
+
+
+def test_the_control_routes_need_the_token_and_name_a_bad_body():
+    c = client()
+    assert c.post("/fleet/engines", json={"url": "http://127.0.0.1:1"}).status_code == 401
+    wrong = c.post("/fleet/engines", json={"url": "x"}, headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 401 and wrong.json()["field"] == "Authorization"
+    auth = {"Authorization": "Bearer secret"}
+    bad = c.post("/fleet/engines", content=b"{not json", headers=auth)
+    assert bad.status_code == 400 and bad.json()["field"] == "body"
+    assert c.post("/fleet/engines", json={"URL": "x"}, headers=auth).json()["field"] == "url"
+    extra = c.post("/fleet/engines", json={"url": "http://a:1", "model": "m"}, headers=auth)
+    assert extra.status_code == 400 and extra.json()["field"] == "model"
+    starting = c.post("/fleet/engines/engine-1/drain", headers=auth)
+    assert starting.status_code == 503 and starting.json()["field"] == "run"
+    assert c.get("/fleet").status_code == 503
+
+
+def test_the_control_token_is_its_owners_only(tmp_path):
+    from orchestrator.run.fleet_keeper import write_control_token
+
+    path = write_control_token(tmp_path, "t0k")
+    assert path.read_text().strip() == "t0k" and stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
+def test_inflight_fleet_without_a_live_run_is_exit_2_naming_run_dir(tmp_path, capsys):
+    from orchestrator.commands.cli import main
+
+    assert main(["fleet", "add", str(tmp_path), "http://127.0.0.1:1"]) == 2
+    assert "RUN_DIR" in capsys.readouterr().err
+    (tmp_path / "http.json").write_text(json.dumps({"url": "http://127.0.0.1:9"}))  # nobody listens
+    assert main(["fleet", "drain", str(tmp_path), "engine-1", "--timeout", "5"]) == 2
+    assert "does not answer" in capsys.readouterr().err
+
+
+def test_stats_show_the_runs_fleet_history_and_skip_a_torn_line(tmp_path):
+    from replay.query.fromlog import fleet_history
+
+    assert fleet_history(tmp_path) is None  # a run without engines that came and went
+    (tmp_path / "fleet.jsonl").write_text('{"engine": "engine-2", "state": "joining"}\n{"engine": "engine-2", '
+                                          '"state": "serving"}\n{"torn')
+    assert [h["state"] for h in fleet_history(tmp_path)] == ["joining", "serving"]

@@ -1,0 +1,171 @@
+"""Engines that come and go, in the fleet and its coordinator (orchestrator/fleet/membership.py,
+orchestrator/activation/rejoin.py), with scripted engines: a joiner's slow transfer delays no
+activation, a drain waits for its engine's rollouts (or aborts them past drain_s), an engine that
+refuses requests unasked is told apart from an abort, a SIGTERM'd server is leaving, not dead."""
+
+from __future__ import annotations
+
+import json
+
+import anyio
+import pytest
+
+from orchestrator.activation import coordinator as act
+from orchestrator.engines.base import SamplingSettings, TokenChunk
+from orchestrator.fleet.fleet import Fleet, FleetTimeouts
+from tests.unit.test_activation_fleet import ScriptedEngine
+
+
+class HeldStager(ScriptedEngine):
+    """Its transfer ends only when the test says (`release`): a new engine pulling the live
+    version for as long as the test needs."""
+
+    def __init__(self, engine_id: str):
+        super().__init__(engine_id)
+        self.release = anyio.Event()
+
+    async def collective_rpc(self, method, args=(), kwargs=None, timeout=None):
+        if method == "swap_stage":
+            self.calls.append(method)
+            self.state, self.staged_version = "staging", json.loads(args[0])["version"]
+            return [{}]
+        if method == "swap_status" and self.state == "staging" and self.release.is_set():
+            self.state = "staged"
+        return await super().collective_rpc(method, args, kwargs, timeout)
+
+
+def fleet_of(*engines) -> Fleet:
+    fleet = Fleet(list(engines), fleet_timeouts=FleetTimeouts(rpc_s=5, poll_s=0.005))
+    return fleet
+
+
+async def set_up(fleet: Fleet) -> None:
+    await fleet.setup("{}", "/nonexistent-root")
+
+
+def test_the_coordinator_adds_fenced_excludes_leaving_and_removes():
+    c = act.ActivationCoordinator(["a", "b"])
+    c.add_engine("c")
+    assert c.engines == ("a", "b", "c") and c.serving == ("a", "b")  # a newcomer serves after its rejoin
+    with pytest.raises(act.CoordinatorError):
+        c.add_engine("a")
+    c.leave("b")
+    assert c.serving == ("a",) and not c.may_dispatch("b")
+    actions = c.begin(1, 0.0)
+    assert {a.engine for a in actions if isinstance(a, act.Stage)} == {"a"}  # no activation waits on b
+    c.abandon(0.0)
+    with pytest.raises(act.CoordinatorError):
+        c.rejoin("b", 0.0)  # leaving: it does not come back
+    c.remove_engine("b")
+    assert c.engines == ("a", "c") and "b" not in c.leaving and "b" not in c.fenced
+
+
+async def test_a_joiner_stages_beside_an_activation_that_does_not_wait_for_it():
+    a = ScriptedEngine("a")
+    fleet = fleet_of(a)
+    await set_up(fleet)
+    record = await fleet.activate(1)
+    assert record.outcome == "activated"
+    joiner = HeldStager("j")
+    fleet.add(joiner, source="test")
+    assert fleet.members["j"].state == "joining" and "j" not in fleet.coordinator.serving
+    async with anyio.create_task_group() as tg:
+        joined: list[bool] = []
+
+        async def join() -> None:
+            joined.append(await fleet.bring_in("j"))
+
+        tg.start_soon(join)
+        await anyio.sleep(0.05)
+        assert joiner.state == "staging" and joiner.staged_version == 1
+        record = await fleet.activate(2)  # while the joiner's transfer goes on
+        assert joiner.state == "staging", "the activation waited for the joiner's transfer"
+        joiner.release.set()
+    assert record.outcome == "activated" and [e.engine for e in record.engines] == ["a"]
+    # It staged 1, found 2 live, staged 2, then switched under the lock: serving version 2.
+    assert joined == [True] and joiner.calls.count("swap_stage") == 2 and joiner.version == 2
+    assert fleet.coordinator.serving == ("a", "j") and fleet.members["j"].state == "serving"
+
+
+async def test_a_drain_waits_for_its_rollouts_then_the_engine_leaves():
+    a, b = ScriptedEngine("a"), ScriptedEngine("b")
+    fleet = fleet_of(a, b)
+    sampling = SamplingSettings(max_tokens=40)  # 40 x 5 ms
+    async with anyio.create_task_group() as tg:
+        done: list = []
+
+        async def rollout() -> None:
+            done.append(await fleet.generate([1], sampling, engine_id="b", redispatch=False))
+
+        tg.start_soon(rollout)
+        await anyio.sleep(0.02)
+        aborted = await fleet.drain("b", drain_s=30)
+        assert aborted == 0 and done and done[0].status == "completed" and len(done[0].token_ids) == 40
+    await fleet.remove("b")
+    assert fleet.coordinator.engines == ("a",) and "b" not in fleet.engines
+    assert fleet.members["b"].state == "left" and fleet.members["b"].rollouts == 1
+    assert fleet.members["b"].tokens == 40
+
+
+async def test_a_drain_past_drain_s_aborts_what_is_left_as_dropped_not_errored():
+    class Forever(ScriptedEngine):
+        async def generate(self, request_id, prompt_token_ids, sampling, cache_salt=None):
+            self.aborted = anyio.Event()
+            yield TokenChunk([1], [-0.5])
+            await self.aborted.wait()
+            yield TokenChunk([], [], finished=True, finish_reason="abort")
+
+        async def abort_many(self, request_ids):
+            self.aborted.set()
+
+    b = Forever("b")
+    fleet = fleet_of(ScriptedEngine("a"), b)
+    async with anyio.create_task_group() as tg:
+        done: list = []
+
+        async def rollout() -> None:
+            done.append(await fleet.generate([1], SamplingSettings(max_tokens=5), engine_id="b", redispatch=False))
+
+        tg.start_soon(rollout)
+        await anyio.sleep(0.02)
+        assert await fleet.drain("b", drain_s=0.1) == 1
+    assert done[0].status == "dropped" and done[0].reason == "aborted" and "left the fleet" in done[0].message
+
+
+async def test_an_abort_nobody_asked_for_is_the_engine_refusing():
+    class Refuses(ScriptedEngine):
+        async def generate(self, request_id, prompt_token_ids, sampling, cache_salt=None):
+            yield TokenChunk([], [], finished=True, finish_reason="abort")
+
+    fleet = fleet_of(Refuses("a"))
+    c = await fleet.generate([1], SamplingSettings(max_tokens=3), redispatch=False)
+    assert (c.status, c.reason) == ("dropped", "engine_refused")
+
+
+async def test_a_server_shutting_down_is_leaving_not_fenced_and_keeps_its_rollouts():
+    """A SIGTERM'd vLLM server answers every control call 'Server shutting down' while it
+    drains: an activation's call failing so marks it leaving; its rollout finishes."""
+    from orchestrator.errors import EngineGenerateError
+
+    class Stopping(ScriptedEngine):
+        async def pause(self, mode="keep", clear_cache=True):
+            raise EngineGenerateError(self.engine_id, 'POST /pause answered 500: {"error": {"message": '
+                                                      '"Server shutting down"}}')
+
+    a, b = ScriptedEngine("a"), Stopping("b")
+    fleet = fleet_of(a, b)
+    await set_up(fleet)
+    changes: list = []
+    fleet.on_member_change = lambda e, s: changes.append((e, s))
+    async with anyio.create_task_group() as tg:
+        done: list = []
+
+        async def rollout() -> None:
+            done.append(await fleet.generate([1], SamplingSettings(max_tokens=30), engine_id="b", redispatch=False))
+
+        tg.start_soon(rollout)
+        await anyio.sleep(0.02)
+        record = await fleet.activate(1)
+    assert record.outcome == "engine_fenced"  # the version went live on a
+    assert ("b", "draining") in changes and "b" in fleet.coordinator.leaving
+    assert done[0].status == "completed"  # not cancelled as a fenced engine's would be
