@@ -29,8 +29,11 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import time
 
 ENGINE_CHILD_ENV = "INFLIGHT_ENGINE_CHILD"
+# How long a drained engine core refuses calls before it exits (bounded by --shutdown-timeout).
+SHUTDOWN_LINGER_S = float(os.environ.get("INFLIGHT_SHUTDOWN_LINGER_S", "10"))
 DIE_WITH_PARENT_ENV = "INFLIGHT_ENGINE_DIE_WITH_PARENT"
 PR_SET_PDEATHSIG = 1
 
@@ -63,7 +66,9 @@ def drain_paused_requests_on_shutdown() -> None:
     ends the engine at once and strands every paused request. Resuming the scheduler when the
     shutdown is requested lets them finish like the others (under the weights they started with:
     a swap is a utility call, and the shutting-down engine refuses those). Patched only in a
-    process that has the engine core loaded (the engine core's own)."""
+    process that has the engine core loaded (the engine core's own). Once drained, it lingers
+    `SHUTDOWN_LINGER_S` refusing calls ("Server shutting down") before it exits: without that, an
+    engine with nothing in flight exits at once and its clients see a crash, not a leave."""
     import sys
 
     core = sys.modules.get("vllm.v1.engine.core")
@@ -73,10 +78,34 @@ def drain_paused_requests_on_shutdown() -> None:
         return
 
     def _handle_shutdown(self):
-        if (self.shutdown_state == core.EngineShutdownState.REQUESTED
-                and getattr(self.vllm_config, "shutdown_timeout", 0) and self.is_scheduler_paused()):
-            self.resume_scheduler()
-        return original(self)
+        if not getattr(self.vllm_config, "shutdown_timeout", 0):
+            return original(self)  # abort mode: vLLM's own
+        drained_at = self.__dict__.get("_inflight_drained_at")
+        if drained_at is None:
+            if self.shutdown_state == core.EngineShutdownState.REQUESTED and self.is_scheduler_paused():
+                self.resume_scheduler()
+            if original(self):
+                return True
+            drained_at = self.__dict__["_inflight_drained_at"] = time.monotonic()
+        # Drained (or nothing to drain): linger a moment, refusing every request and control
+        # call with "Server shutting down", so that a client that asks learns the server is
+        # leaving rather than finding it gone (which reads as a crash).
+        if quit_marker(os.getppid()).exists():  # stopped by the process that started the server
+            return False
+        if time.monotonic() - drained_at < min(SHUTDOWN_LINGER_S, self.vllm_config.shutdown_timeout):
+            time.sleep(0.05)  # the busy loop does not block while it shuts down
+            return True
+        return False
 
     _handle_shutdown._inflight_drains_paused = True
     cls._handle_shutdown = _handle_shutdown
+
+
+def quit_marker(server_pid: int):
+    """A file whose presence tells the engine core of server `server_pid` that the process which
+    started the server stops it (inflight's own shutdown, `terminate_process_group`): it exits
+    once drained, without the linger meant for a SIGTERM from elsewhere (a spot reclaim)."""
+    import tempfile
+    from pathlib import Path
+
+    return Path(tempfile.gettempdir()) / f"inflight-quit-{server_pid}"

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from orchestrator.activation.messages import (  # noqa: F401 - the coordinator's vocabulary, re-exported
     ENGINE_FENCED, FAILED, KV_POLICIES, ROLLED_BACK, STRATEGIES, KvPolicy, Strategy, DRAINING,
     IDLE, PAUSING, RESUMING, STAGING, SWAPPING, ACTIVATED, AbortInflight, Action, CacheFenced,
-    Drain, Drained, DropStaged, EngineAction, EngineDied, EngineOutcome, Event, Fence, FenceCache,
+    Drain, Drained, DropStaged, EngineAction, EngineDied, EngineLeaving, EngineOutcome, Event, Fence, FenceCache,
     Pause, Paused, Record, Resume, Resumed, SetVersion, Stage, Staged, StageFailed, StartTimer,
     StepFailed, Swap, Swapped, Timeout, Unfence, VersionSet,
 )
@@ -176,6 +176,8 @@ class ActivationCoordinator(RejoinSteps):
         return actions + self._conclude(at)
 
     def handle(self, event: Event) -> list[Action]:
+        if isinstance(event, EngineLeaving):
+            return self.leave(event.engine, event.at)
         if event.engine is not None and event.engine in self.rejoining:
             return self._handle_rejoin(event)
         if isinstance(event, Timeout):

@@ -197,6 +197,11 @@ class EngineDied(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class EngineLeaving(Event):
+    """The engine is on its way out (drained, or its server told to stop): see `leave`."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class Timeout(Event):
     phase: str
     token: int

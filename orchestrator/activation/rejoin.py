@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from orchestrator.activation.messages import (
     IDLE,
+    STAGING,
     Action,
     CacheFenced,
     DropStaged,
@@ -49,15 +50,29 @@ class RejoinSteps:
         self.engines = (*self.engines, engine)
         self.fenced.add(engine)
 
-    def leave(self, engine: str) -> list[Action]:
+    def leave(self, engine: str, at: float = 0.0) -> list[Action]:
         """An engine is on its way out (drained, or its server was told to stop): no new request
-        and no later activation includes it; what it holds finishes under the weights it has.
-        An activation already under way keeps it (its steps were sent); a rejoin is given up."""
+        and no later activation includes it; what it holds finishes under the weights it has; a
+        rejoin is given up. In an activation under way it drops out without failing the
+        version: while staging, like a joiner that failed (its staged copy dropped); after, like
+        an engine whose step failed (fenced, resumed if it was paused). The performer treats
+        the fence of a leaving engine as no more than that: its rollouts go on."""
         if engine not in self.engines:
             raise CoordinatorError(f"{engine} is not in the fleet")
+        if engine in self.leaving:
+            return []
         self.leaving.add(engine)
         self.joining.discard(engine)
-        return self.abandon_rejoin(engine)
+        actions = self.abandon_rejoin(engine)
+        run = self.runs.get(engine) if self.phase != IDLE else None
+        if run is None or run.failed:
+            return actions
+        if self.phase == STAGING:
+            run.failed = True
+            self.messages.append(f"{engine} left the fleet while the version staged")
+            actions.append(DropStaged(engine=engine, version=self.version))
+            return actions + (self._staging_done(at) if self._all("staged") else [])
+        return actions + self._mark_failed(engine, "leave", "leaving the fleet") + self._progress(at)
 
     def remove_engine(self, engine: str) -> None:
         """The engine has left: forgotten. Only between activations (the performer holds its

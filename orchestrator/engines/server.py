@@ -53,6 +53,7 @@ from orchestrator.errors import (
 from orchestrator.observe.logging import get_logger
 from orchestrator.model import check_model_dir
 from orchestrator.reaper import die_with_parent
+from transports.engine_signals import quit_marker
 
 log = get_logger(__name__)
 # vLLM prefixes the ids of /inference/v1/generate requests; aborts need the engine-side id.
@@ -474,18 +475,26 @@ def terminate_process_group(proc: subprocess.Popen, grace_s: float = 15.0) -> bo
     member (zombies included) remains, so that no engine process outlives us. False when the
     leader could not be reaped."""
     pgid = proc.pid  # started with start_new_session: the group id is the leader's pid
-    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
-        try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:
-            break
-        if _wait_group_gone(proc, pgid, wait):
-            break
+    marker = quit_marker(pgid)  # our own stop: no linger after the drain (transports.engine_signals)
     try:
-        proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        return False
-    return True
+        marker.touch()
+    except OSError:
+        pass
+    try:
+        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                break
+            if _wait_group_gone(proc, pgid, wait):
+                break
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+    finally:
+        marker.unlink(missing_ok=True)
 
 
 def _wait_group_gone(proc: subprocess.Popen, pgid: int, timeout: float) -> bool:

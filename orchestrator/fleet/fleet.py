@@ -342,6 +342,11 @@ class Fleet(AdapterStaging, RolloutStreams, FleetMembership):
         except EngineDeadError as exc:
             return act.EngineDied(engine=e, at=now(), error=str(exc))
         except (EngineError, RuntimeError, ValueError, OSError) as exc:
+            if SHUTTING_DOWN in str(exc).lower():
+                # A server told to stop (SIGTERM) answers every control call so while it drains
+                # what it holds: leaving, not failed; the version goes on without it.
+                self.set_state(e, "draining", "its server was told to stop (SIGTERM)")
+                return act.EngineLeaving(engine=e, at=now())
             step = {act.Pause: "pause", act.Swap: "swap", act.FenceCache: "fence_cache",
                     act.SetVersion: "set_version", act.Resume: "resume", act.Drain: "drain"}.get(type(a), "stage")
             if isinstance(a, act.Stage):
@@ -444,21 +449,27 @@ class Fleet(AdapterStaging, RolloutStreams, FleetMembership):
 
     def _fence(self, engine_id: str, reason: str) -> None:
         """No new requests; its in-flight rollouts end `errored(engine_fenced)`."""
-        if SHUTTING_DOWN in reason.lower() and engine_id not in self.coordinator.leaving:
-            # A SIGTERM'd server refuses the activation's calls while it drains what it holds:
-            # it is leaving, not dead; its rollouts finish (the keeper sees it out).
-            log.warning("fleet.leaving", engine=engine_id, reason=reason)
-            self.coordinator.leaving.add(engine_id)
-            self.set_state(engine_id, "draining", "its server was told to stop (SIGTERM)")
+        if engine_id in self.coordinator.leaving:
+            # Out of the activation on its way out of the fleet: its rollouts finish (a drain
+            # waits for them; a SIGTERM'd server finishes them itself).
+            log.info("fleet.leaving_engine_out_of_activation", engine=engine_id, reason=reason)
             return
         log.warning("fleet.fenced", engine=engine_id, reason=reason)
-        if engine_id not in self.coordinator.leaving:
-            self.set_state(engine_id, "fenced", reason)
+        self.set_state(engine_id, "fenced", reason)
         for t in list(self.tracks.values()):
             if t.engine == engine_id:
                 t.fenced = True
                 if t.cancel is not None:
                     t.cancel.cancel()
+
+    async def mark_leaving(self, engine_id: str) -> None:
+        """The engine takes no new request and no later activation includes it; an activation
+        under way drops it without failing the version (the event joins its stream)."""
+        if self._events is not None:
+            await self._events.send(act.EngineLeaving(engine=engine_id, at=time.monotonic()))
+            return
+        await self._drop_all([a for a in self.coordinator.leave(engine_id, time.monotonic())
+                              if isinstance(a, act.DropStaged)])
 
     def join_next(self, engine_id: str) -> None:
         """A fenced engine comes back with the next version that goes live (see

@@ -29,7 +29,6 @@ from typing import Literal
 import anyio
 import msgspec
 
-from orchestrator.activation.messages import DropStaged
 from orchestrator.observe.logging import get_logger
 
 log = get_logger(__name__)
@@ -58,7 +57,7 @@ class EngineMember(msgspec.Struct):
 
 class FleetMembership:
     """Mixed into `Fleet`: requires `engines`, `coordinator`, `tracks`, `ft`, `strategy`,
-    `live_version`, `_activation_lock`, `_rpc`, `_rejoin`, `_drop_all`, `abort_many`."""
+    `live_version`, `_activation_lock`, `_rpc`, `_rejoin`, `mark_leaving`, `abort_many`."""
 
     def init_membership(self) -> None:
         now = time.time()
@@ -101,10 +100,11 @@ class FleetMembership:
         return counts
 
     # -- joining -----------------------------------------------------------------------------
-    def new_engine_id(self) -> str:
-        """The next free `engine-<n>` (ids are never reused: records name engines by id)."""
+    def new_engine_id(self, reserved: set[str] | frozenset[str] = frozenset()) -> str:
+        """The next free `engine-<n>` (ids are never reused: records name engines by id), past
+        those `reserved` (engines still starting, not yet members)."""
         n = len(self.members)
-        while f"engine-{n}" in self.members:
+        while f"engine-{n}" in self.members or f"engine-{n}" in reserved:
             n += 1
         return f"engine-{n}"
 
@@ -191,7 +191,7 @@ class FleetMembership:
         past `drain_s` are aborted. Returns how many were aborted. The engine stays in `engines`
         until `remove` (the caller shuts down an engine it owns)."""
         self.set_state(engine_id, "draining", why)
-        await self._drop_all([a for a in self.coordinator.leave(engine_id) if isinstance(a, DropStaged)])
+        await self.mark_leaving(engine_id)
         with anyio.move_on_after(drain_s):
             while self._holds(engine_id):
                 await anyio.sleep(self.ft.poll_s)

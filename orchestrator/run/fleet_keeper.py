@@ -53,7 +53,8 @@ class FleetKeeper:
         self.loop = loop
         self.run = loop.run
         self.config = loop.run.config.fleet
-        self.busy: set[str] = set()  # engines with a membership change under way
+        self.busy: set[str] = set()  # engines with a membership change under way (ids reserved too)
+        self.joining_urls: set[str] = set()
         self.below_since: float | None = None
         self.paused_why: str | None = None  # why admission is paused (too few engines)
         self.replacing = 0
@@ -115,6 +116,8 @@ class FleetKeeper:
         await done.wait()
         if "error" in box:
             raise box["error"]
+        if "result" not in box:  # the run stopped first (its task group cancelled the change)
+            raise FleetRefused(503, "run", "the run is stopping: the change was not made")
         return box["result"]
 
     # -- the record --------------------------------------------------------------------------
@@ -146,15 +149,22 @@ class FleetKeeper:
         for m in self.fleet.members.values():
             if m.url == url and m.state not in ("left", "lost", "refused"):
                 raise FleetRefused(409, "url", f"{url} is already in the fleet as {m.engine} ({m.state})")
-        return await self._in_group(lambda: self._join_url(url))
+        if url in self.joining_urls:
+            raise FleetRefused(409, "url", f"{url} is joining already")
+        self.joining_urls.add(url)
+        engine_id = self.fleet.new_engine_id(reserved=self.busy)
+        self.busy.add(engine_id)  # reserved at once: a second join at the same time gets another id
+        try:
+            return await self._in_group(lambda: self._join_url(url, engine_id))
+        finally:
+            self.joining_urls.discard(url)
+            self.busy.discard(engine_id)
 
-    async def _join_url(self, url: str) -> dict:
+    async def _join_url(self, url: str, engine_id: str) -> dict:
         from orchestrator.engines.server import ServerEngine
 
-        engine_id = self.fleet.new_engine_id()
         config = msgspec.structs.replace(self.run.engine_base_config, kind="server", url=url, port=None)
         engine = ServerEngine(config, engine_id, expect=await self._expected_identity())
-        self.busy.add(engine_id)
         try:
             try:
                 await engine.start()  # attach: health, identity, reset to the base weights
@@ -165,8 +175,10 @@ class FleetKeeper:
                 await engine.shutdown()
                 raise FleetRefused(502, "url", f"{engine_id} at {url} did not start: {exc}") from None
             return await self._enter(engine, source="fleet add")
-        finally:
-            self.busy.discard(engine_id)
+        except BaseException:
+            if engine_id not in self.fleet.members:  # cancelled before it joined: nothing else holds it
+                await self._close(engine)
+            raise
 
     async def _expected_identity(self) -> dict | None:
         """What a joiner must serve: an engine that serves now, as its workers report it."""
@@ -274,7 +286,8 @@ class FleetKeeper:
             await self._close(old)
             self.log_states()
             for attempt in range(1, REPLACE_ATTEMPTS + 1):
-                new = make_engine(old.config, self.fleet.new_engine_id(), log_dir=self.run.run_dir)
+                new = make_engine(old.config, self.fleet.new_engine_id(reserved=self.busy), log_dir=self.run.run_dir)
+                self.busy.add(new.engine_id)
                 log.info("fleet.replacing", engine=engine_id, replacement=new.engine_id, attempt=attempt)
                 try:
                     await new.start()
@@ -285,6 +298,12 @@ class FleetKeeper:
                                 attempt=attempt, error=str(exc))
                     await self._close(new)
                     await anyio.sleep(min(30.0, 2.0 ** attempt))
+                except BaseException:
+                    if new.engine_id not in self.fleet.members:  # cancelled while it started
+                        await self._close(new)
+                    raise
+                finally:
+                    self.busy.discard(new.engine_id)
         finally:
             self.busy.discard(engine_id)
             self.replacing -= 1

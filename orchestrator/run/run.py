@@ -483,8 +483,12 @@ class Run:
                 await self.trainer.stop()
             if getattr(self, "loop", None) is not None and getattr(self, "recorder", None) is not None:
                 self.loop.settle_lost_batches()  # the trainer is gone: its last step is what its checkpoint says
+            # The engines it started with, and those that joined since (a replacement is ours).
+            engines = {e.engine_id: e for e in getattr(self, "engines", [])}
+            fleet = getattr(self, "fleet", None)
+            engines.update(fleet.engines if fleet is not None else {})
             async with anyio.create_task_group() as tg:
-                for engine in getattr(self, "engines", []):
+                for engine in engines.values():
                     tg.start_soon(_shutdown_engine, engine)
                 for scorer in (getattr(self, "scorer", None), getattr(getattr(self, "evaluator", None), "scorer", None)):
                     if scorer is not None:

@@ -169,3 +169,41 @@ async def test_a_server_shutting_down_is_leaving_not_fenced_and_keeps_its_rollou
     assert record.outcome == "engine_fenced"  # the version went live on a
     assert ("b", "draining") in changes and "b" in fleet.coordinator.leaving
     assert done[0].status == "completed"  # not cancelled as a fenced engine's would be
+
+
+def _answer(c: act.ActivationCoordinator, actions: list) -> list:
+    """Answer every engine action as a healthy engine would, until the record."""
+    answers = {act.Stage: lambda a: act.Staged(engine=a.engine, at=0.0, version=a.version),
+               act.Pause: lambda a: act.Paused(engine=a.engine, at=0.0),
+               act.Swap: lambda a: act.Swapped(engine=a.engine, at=0.0, version=a.version, requests={}),
+               act.FenceCache: lambda a: act.CacheFenced(engine=a.engine, at=0.0),
+               act.SetVersion: lambda a: act.VersionSet(engine=a.engine, at=0.0, version=a.version, requests={}),
+               act.Resume: lambda a: act.Resumed(engine=a.engine, at=0.0)}
+    seen, queue = [], list(actions)
+    while queue:
+        a = queue.pop(0)
+        seen.append(a)
+        if type(a) in answers:
+            queue += c.handle(answers[type(a)](a))
+    return seen
+
+
+@pytest.mark.parametrize("when", ["staging", "pausing"])
+def test_an_engine_leaving_mid_activation_drops_out_and_the_version_goes_live(when):
+    c = act.ActivationCoordinator(["a", "b"])
+    actions = c.begin(1, 0.0)
+    seen = _answer(c, [x for x in actions if getattr(x, "engine", None) == "a"])
+    if when == "pausing":
+        b_actions = c.handle(act.Staged(engine="b", at=0.0, version=1))  # both staged: both asked to pause
+        assert any(isinstance(x, act.Pause) and x.engine == "b" for x in b_actions)
+        seen += _answer(c, [x for x in b_actions if x.engine == "a"])
+    out = c.handle(act.EngineLeaving(engine="b", at=0.0))
+    if when == "staging":
+        assert any(isinstance(x, act.DropStaged) and x.engine == "b" for x in out)
+    else:
+        assert any(isinstance(x, act.Resume) and x.engine == "b" for x in out)  # never left paused
+    seen += _answer(c, [x for x in out if getattr(x, "engine", None) != "b"])
+    records = [x for x in seen + out if isinstance(x, act.Record)]
+    assert c.live_version == 1 and records and records[-1].outcome != "rolled_back"
+    assert not any(isinstance(x, (act.Swap, act.SetVersion)) and x.engine == "b" for x in seen)
+    assert "b" in c.leaving and "b" not in c.serving
