@@ -72,7 +72,7 @@ def drain_paused_requests_on_shutdown() -> None:
     import sys
 
     core = sys.modules.get("vllm.v1.engine.core")
-    cls = getattr(core, "EngineCore", None)
+    cls = getattr(core, "EngineCoreProc", None)  # where the busy loop and `_handle_shutdown` live
     original = getattr(cls, "_handle_shutdown", None)
     if original is None or getattr(original, "_inflight_drains_paused", False):
         return

@@ -325,27 +325,38 @@ class FleetKeeper:
                         tg.start_soon(self._probe_one, engine_id)
 
     async def _probe_one(self, engine_id: str) -> None:
+        """Ask (bounded by the probe's period), then act in the keeper's task group: a drain
+        or a catch-up must not be cut by the probe's limit."""
         engine = self.fleet.engines.get(engine_id)
         if engine is None:
             return
         coordinator = self.fleet.coordinator
+        action = None
         with anyio.move_on_after(max(1.0, self.config.probe_s)):
             if engine_id in coordinator.serving and await engine.leaving():
-                if engine_id not in self.busy:
-                    self.busy.add(engine_id)
-                    await self._leave(engine_id, "its server was told to stop (SIGTERM): drained")
+                action = self._leave
             elif (engine_id in coordinator.fenced and engine_id not in coordinator.leaving
-                  and self.run.cluster is None and await _answers_again(engine)):
-                self.busy.add(engine_id)
-                try:
-                    if not await self._same_identity(engine):
-                        return
-                    log.info("engine.rejoining", engine=engine_id, live_version=self.fleet.live_version)
-                    if await self.fleet.bring_in(engine_id):
-                        self.loop.handle(sch.EngineUp(engine=engine_id))
-                finally:
-                    self.busy.discard(engine_id)
-                    self.log_states()
+                  and self.run.cluster is None and await _answers_again(engine)
+                  and await self._same_identity(engine)):
+                action = self._return
+        if action is None or engine_id in self.busy or self._tg is None:
+            return
+        self.busy.add(engine_id)
+        if action == self._leave:
+            self._tg.start_soon(self._leave, engine_id, "its server was told to stop (SIGTERM): drained")
+        else:
+            self._tg.start_soon(self._return, engine_id)
+
+    async def _return(self, engine_id: str) -> None:
+        """A fenced engine that answers again (its server restarted at the same address, its link
+        back): to the live version, then rollouts."""
+        try:
+            log.info("engine.rejoining", engine=engine_id, live_version=self.fleet.live_version)
+            if await self.fleet.bring_in(engine_id):
+                self.loop.handle(sch.EngineUp(engine=engine_id))
+        finally:
+            self.busy.discard(engine_id)
+            self.log_states()
 
     async def _same_identity(self, engine) -> bool:
         """A server that answers again at a fenced engine's URL may be another one (restarted with

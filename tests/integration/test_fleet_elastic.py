@@ -5,7 +5,8 @@ one `inflight run` that keeps training while its fleet changes under it:
    `fleet.min_engines = 2` admission pauses and /healthz says why;
 2. the same server joins again by `inflight fleet add` (as engine-2): brought to the live version
    first, it samples no token of an older one;
-3. a server in bfloat16 is refused by `inflight fleet add`, naming `dtype`; the run goes on;
+3. a server already in the fleet is refused by `inflight fleet add`, naming `url` (a server that
+   serves another dtype or model is refused naming the field: test_run_misuse);
 4. engine-2's server SIGKILLed: fenced, admission paused; restarted on its port: it comes back at
    the live version and the run resumes;
 5. SIGTERM to engine-2's server (what a spot reclaim sends): it drains like `fleet drain`;
@@ -85,16 +86,15 @@ def stop(proc: subprocess.Popen) -> None:
 
 @pytest.mark.timeout(2400)
 def test_engines_join_drain_die_return_and_leave_on_sigterm_while_the_run_trains(tmp_path, rl_model):
-    ports = {name: free_port() for name in ("a", "b", "c")}
+    ports = {name: free_port() for name in ("a", "b")}
     urls = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
     logs = {name: tmp_path / f"server-{name}.log" for name in ports}
     servers = {"a": launch_server(rl_model, ports["a"], logs["a"]),
-               "b": launch_server(rl_model, ports["b"], logs["b"]),
-               "c": launch_server(rl_model, ports["c"], logs["c"], "--dtype", "bfloat16")}
+               "b": launch_server(rl_model, ports["b"], logs["b"])}
     run_dir, log = tmp_path / "run", tmp_path / "run.log"
     proc = None
     try:
-        for name in ("a", "b", "c"):
+        for name in ("a", "b"):
             wait_ready(urls[name], servers[name], logs[name])
         config = write_config(tmp_path / "run.toml", rl_model, extra=f"""
 [[engines]]
@@ -131,11 +131,10 @@ drain_s = {DRAIN_S}
         wait_for(lambda: members(run_dir).get("engine-2", {}).get("rollouts", 0) >= 3, 600, proc, log,
                  "rollouts on the joined engine")
 
-        # 3. Another dtype: refused by name, the run unaffected.
-        out = fleet_cli("add", str(run_dir), urls["c"])
-        assert out.returncode == 2 and "dtype" in out.stderr and "bfloat16" in out.stderr, out.stderr
-        assert state(run_dir, "engine-2") == "serving"
-        stop(servers["c"])
+        # 3. A server already in the fleet: refused by name, the run unaffected.
+        out = fleet_cli("add", str(run_dir), urls["a"])
+        assert out.returncode == 2 and "url" in out.stderr and "engine-0" in out.stderr, out.stderr
+        assert state(run_dir, "engine-2") == "serving" and state(run_dir, "engine-0") == "serving"
 
         # 4. Its server SIGKILLed: fenced, admission paused; restarted: back at the live version.
         stop(servers["b"])

@@ -6,6 +6,7 @@ starts nothing, `--max-steps` extends it: test_lora_run's resume test, on its fi
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -57,3 +58,29 @@ async def test_an_attached_server_is_reset_to_version_0_and_one_of_another_model
     assert await server.healthy()  # refusing it left the server serving, untouched
     again = await server.complete("again", prompt, greedy)
     assert again.token_ids == base.token_ids and set(again.versions) == {0}
+
+
+async def test_a_joining_server_that_serves_another_dtype_or_model_is_refused_naming_the_field(server_engine):
+    """What `inflight fleet add` checks before it touches a server (docs/fleet.md): the server's
+    own workers report what they serve (`swap_identity`); the first field that differs from
+    the run's engines is named, and the server is left as it was."""
+    from orchestrator.config.run import EngineConfig
+    from orchestrator.engines.server import ServerEngine
+    from orchestrator.errors import ConfigError
+
+    server = server_engine
+    mine = await server.identity()
+    assert mine["dtype"] == "float32" and mine["lora"] is False and mine["max_model_len"] > 0
+    assert Path(mine["model"]) == Path(server.config.model).resolve()
+    config = EngineConfig(model=server.config.model, kind="server", url=server.url,
+                          worker_extension_cls=SWAP_EXTENSION)
+    for field, other in (("dtype", "bfloat16"), ("tokenizer", "/elsewhere/tokenizer"), ("lora", True)):
+        joiner = ServerEngine(config, "joiner", expect={**mine, field: other})
+        with pytest.raises(ConfigError) as refused:
+            await joiner.start()
+        assert refused.value.field == field and repr(other) in str(refused.value)
+        await joiner.shutdown()
+    same = ServerEngine(config, "joiner", expect=mine)
+    await same.start()  # the same identity: attached (and reset to version 0, as test above leaves it)
+    await same.shutdown()
+    assert await server.healthy()
