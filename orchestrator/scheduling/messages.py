@@ -12,6 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+class SchedulerError(RuntimeError):
+    """An event the scheduler's state does not allow (a bug in the caller)."""
+
+
 # ---------------------------------------------------------------------------------------------
 # Actions
 
@@ -87,6 +91,19 @@ class EngineDown:
 
 @dataclass(frozen=True, kw_only=True)
 class EngineUp:
+    """An engine serves (again). One the scheduler does not know joins the fleet: with
+    `capacity` (its max_num_seqs), or, when None, the mean capacity of the engines it knows."""
+
+    engine: str
+    at: float | None = None
+    capacity: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineLeft:
+    """The engine left the fleet (drained, or lost for good): the scheduler forgets it. Its
+    rollouts still in flight keep their records: their `Finished` still comes."""
+
     engine: str
     at: float | None = None
 
@@ -115,7 +132,7 @@ class Stop:
     at: float | None = None
 
 
-Event = Finished | EngineDown | EngineUp | VersionLive | StepDone | TrainerLost | Stop
+Event = Finished | EngineDown | EngineUp | EngineLeft | VersionLive | StepDone | TrainerLost | Stop
 
 
 def majority_version(changes: list[tuple[int, int]] | None, n_tokens: int) -> int | None:

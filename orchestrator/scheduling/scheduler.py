@@ -20,6 +20,12 @@ Versions and steps (one convention, docs/architecture.md): the base model is ver
 trains from version s - 1 and produces version s; a sample consumed by step s has staleness
 (s - 1) - dispatched_version, so a synchronous run has staleness 0.
 
+Engines come and go (`EngineUp` adds one it does not know, `EngineDown` stops sending to one,
+`EngineLeft` forgets one): a rollout goes to the serving engine with the lowest rollouts in
+flight / capacity (its max_num_seqs; `orchestrator.scheduling.placement`), and while fewer than
+`min_engines` serve no new group is admitted (`admission_paused` says why; refills of admitted
+groups go on).
+
 Groups: GRPO samples every prompt `group_size` times. A group is dispatched at once to the
 least-loaded serving engines; an errored member is replaced by a new rollout in the same group
 (at most `max_retries` times per group, then the group is dropped: its in-flight members are
@@ -37,11 +43,12 @@ are unique per run and deterministic: the prompt of a group is the task's prompt
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from orchestrator.config.run import SchedulerConfig
 from orchestrator.scheduling.groups import RestoredGroup, RestoredRollout, _Group, _Member  # noqa: F401 - re-exported
 from orchestrator.scheduling.pacing import Pacer
+from orchestrator.scheduling.placement import Placement
 
 ROLLOUT_ID_STRIDE = 10_000
 
@@ -59,9 +66,11 @@ from orchestrator.scheduling.messages import (  # noqa: F401 - the scheduler's v
     Discard,
     Dispatch,
     EngineDown,
+    EngineLeft,
     EngineUp,
     Event,
     Finished,
+    SchedulerError,
     StepDone,
     Stop,
     SubmitBatch,
@@ -72,14 +81,13 @@ from orchestrator.scheduling.messages import (  # noqa: F401 - the scheduler's v
 )
 
 
-class SchedulerError(RuntimeError):
-    """An event the scheduler's state does not allow (a bug in the caller)."""
-
-
 class Scheduler:
     def __init__(self, config: SchedulerConfig, engines: Iterable[str], *, max_steps: int,
                  done_steps: int = 0, live_version: int = 0, published_version: int | None = None,
-                 next_group_id: int = 0, max_groups: int | None = None) -> None:
+                 next_group_id: int = 0, max_groups: int | None = None,
+                 capacities: Mapping[str, int] | None = None, min_engines: int = 1) -> None:
+        """`capacities`: each engine's max_num_seqs (default 1 each: plain least-loaded);
+        `min_engines`: no new group is admitted while fewer engines serve."""
         self.config = config.validate()
         # A finite task (a dataset's epochs) has this many prompts: no group id at or past it.
         self.max_groups = max_groups
@@ -87,10 +95,16 @@ class Scheduler:
         self.n = config.group_size
         self.batch_size = config.batch_size
         self.max_steps = max_steps
-        self.engines: dict[str, int] = {e: 0 for e in engines}  # serving engine -> rollouts in flight
+        if min_engines < 1:
+            raise SchedulerError(f"min_engines must be >= 1, got {min_engines}")
+        self.min_engines = min_engines
+        self.placement = Placement(engines, capacities)
+        self.engines = self.placement.inflight  # known engine -> rollouts in flight (the same dict)
         if not self.engines:
             raise SchedulerError("no engine")
-        self.down: set[str] = set()
+        self.down = self.placement.down  # known engines that take no new rollout
+        # In flight on an engine that left: their end is counted on no engine (a namesake may join).
+        self._departed: set[int] = set()
         self.done_steps = done_steps
         self.live = live_version
         self.published = done_steps if published_version is None else published_version
@@ -130,6 +144,15 @@ class Scheduler:
     @property
     def admission_bound(self) -> int:
         return (self.k + 1) * self.batch_size
+
+    @property
+    def admission_paused(self) -> str | None:
+        """Why no new group is admitted, in words, while fewer than `min_engines` engines serve."""
+        n = self.placement.n_serving
+        if n >= self.min_engines:
+            return None
+        serve = "engine serves" if n == 1 else "engines serve"
+        return f"admission paused: {n} {serve}, fleet.min_engines = {self.min_engines}"
 
     @property
     def next_step(self) -> int:
@@ -180,11 +203,13 @@ class Scheduler:
         if isinstance(event, Finished):
             actions = self._finished(event)
         elif isinstance(event, EngineDown):
-            if event.engine in self.engines:
-                self.down.add(event.engine)
+            self.placement.set_down(event.engine)
             actions = []
         elif isinstance(event, EngineUp):
-            self.down.discard(event.engine)
+            self.placement.up(event.engine, event.capacity)
+            actions = []  # groups waiting for an engine are refilled below
+        elif isinstance(event, EngineLeft):
+            self._engine_left(event.engine)
             actions = []
         elif isinstance(event, VersionLive):
             if event.version > self.live:
@@ -214,8 +239,10 @@ class Scheduler:
         member = self.rollouts.pop(event.rollout_id, None)
         if member is None:
             return []  # not in flight: a duplicate report; its terminal was written already
-        if member.engine in self.engines:
-            self.engines[member.engine] -= 1
+        if event.rollout_id in self._departed:
+            self._departed.discard(event.rollout_id)
+        else:
+            self.placement.release(member.engine)
         group = self.groups[member.group_id]
         self.terminals += 1
         actions = self._outcome(member, group, event)
@@ -251,6 +278,11 @@ class Scheduler:
         actions = [Terminal(rollout_id=member.rollout_id, status="errored", reason=event.kind or "error",
                             message=event.message)]
         return actions + self._retry(group, f"rollout {member.rollout_id} errored ({event.kind})")
+
+    def _engine_left(self, engine: str) -> None:
+        if engine in self.engines and self.placement.remove(engine):
+            # Rollouts still on it (a drain ends them first; a lost engine's error later).
+            self._departed.update(rid for rid, m in self.rollouts.items() if m.engine == engine)
 
     def _retry(self, group: _Group, why: str) -> list[Action]:
         if group.state != "open" or self.stopping:
@@ -368,9 +400,6 @@ class Scheduler:
         group.n_completed += (state == "completed") - (member.state == "completed")
         member.state = state
 
-    def _serving(self) -> list[str]:
-        return [e for e in self.engines if e not in self.down]
-
     def _waiting_groups(self) -> int:
         return self._waiting
 
@@ -382,7 +411,7 @@ class Scheduler:
         return remaining_steps * self.config.batch_groups - self._waiting_groups()
 
     def _admit(self) -> list[Action]:
-        if self.stopping or not self._serving():
+        if self.stopping or self.admission_paused is not None:  # min_engines >= 1: none serving pauses too
             return []
         actions: list[Action] = []
         if self.config.mode == "sync":
@@ -432,7 +461,7 @@ class Scheduler:
         return self._refill(group)
 
     def _refill_all(self) -> list[Action]:
-        if self.stopping or not self._serving():
+        if self.stopping or not self.placement.n_serving:
             return []
         actions: list[Action] = []
         for gid in sorted(self._refill_due):
@@ -446,15 +475,14 @@ class Scheduler:
     def _refill(self, group: _Group) -> list[Action]:
         """Dispatch members until the group has `group_size` live ones."""
         actions: list[Action] = []
-        serving = self._serving()
-        if not serving:
+        if not self.placement.n_serving:
             self._refill_due.add(group.group_id)  # when an engine serves again
             return actions
         self._refill_due.discard(group.group_id)
         while group.n_live < self.n:
             if group.dispatched >= ROLLOUT_ID_STRIDE:
                 return actions + self._kill_group(group, GROUP_FAILED)
-            engine = min(serving, key=lambda e: self.engines[e])
+            engine = self.placement.place()
             rid = group.group_id * ROLLOUT_ID_STRIDE + group.dispatched
             group.dispatched += 1
             member = _Member(rid, group.group_id, engine, max(self.live, group.version))
@@ -462,7 +490,6 @@ class Scheduler:
             group.n_live += 1
             self._live += 1
             self.rollouts[rid] = member
-            self.engines[engine] += 1
             actions.append(Dispatch(rollout_id=rid, group_id=group.group_id, engine=engine, version=member.version))
         return actions
 
