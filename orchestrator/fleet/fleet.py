@@ -288,9 +288,10 @@ class Fleet(AdapterStaging, RolloutStreams):
             if isinstance(a, act.Pause):
                 self._paused.add(e)
                 self._salt_unsettled.add(e)
-                for t in self.tracks.values():
-                    if t.engine == e:
-                        t.aborted_by_activation = a.mode == "abort"
+                if a.mode == "abort":  # a scan of every request per engine: only where it marks one
+                    for t in self.tracks.values():
+                        if t.engine == e:
+                            t.aborted_by_activation = True
                 await engine.pause(a.mode, a.clear_cache)
                 return act.Paused(engine=e, at=now())
             if isinstance(a, act.Swap):

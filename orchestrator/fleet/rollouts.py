@@ -160,11 +160,11 @@ class RolloutStreams:
     `_rr` and `live_version`."""
 
     def _pick(self, engine_id: str | None) -> str:
-        serving = self.coordinator.serving
-        if engine_id is not None:
-            if engine_id not in serving:
+        if engine_id is not None:  # the scheduler's choice (not `serving`: a new tuple of the fleet per rollout)
+            if not self.coordinator.may_dispatch(engine_id):
                 raise FencedEngineError(engine_id, "fenced out of the fleet: it takes no new requests")
             return engine_id
+        serving = self.coordinator.serving
         if not serving:
             raise ActivationError("no engine serves: every engine is fenced")
         return serving[next(self._rr) % len(serving)]
