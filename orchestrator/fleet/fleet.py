@@ -168,7 +168,9 @@ class Fleet(AdapterStaging, RolloutStreams):
     async def _activate(self, version: int, rollback: bool, source: dict | None) -> act.Record:
         coord = self.coordinator
         self._stage_source = dict(source or {})
-        send, recv = anyio.create_memory_object_stream[act.Event](1000)
+        # Room for every engine's answer: a fixed 1000 made each answer past it wait for the loop
+        # (a fleet of over a thousand engines). Bounded anyway: a few events per engine and phase.
+        send, recv = anyio.create_memory_object_stream[act.Event](max(1000, 8 * len(self.engines)))
         record: act.Record | None = None
         try:
             self._events = send
