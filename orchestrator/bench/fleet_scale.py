@@ -10,10 +10,12 @@ One row per fleet size N (key `fleet_scale`), all on the zero-latency fake engin
 * `loop_lag_p99_ms`: the event loop's lag during that measurement: the 99th percentile of how
   late a task sleeping 10 ms woke (`sample_loop_lag`).
 * `activation_ms`: one `Fleet.activate(v)` of N engines, every engine applied (median of a few),
-  with the fleet idle; `activation_busy_ms` the same with rollouts streaming on the engines
-  (paced like a real engine's stream), `activation_latent_ms` the same idle fleet where every swap
-  RPC takes RPC_LATENCY_S (10 ms, a real engine's answer: what a concurrent fan-out overlaps),
-  `engines_applied` how many engines hold the last version.
+  with the fleet idle; `activation_cpu_ms` the event loop thread's CPU time in it (other
+  processes on the machine inflate it less than the wall time); `activation_busy_ms` the same
+  with rollouts streaming on the engines (paced like a real engine's stream);
+  `activation_latent_ms` the idle fleet where every swap RPC takes RPC_LATENCY_S (10 ms, a real
+  engine's answer, which a concurrent fan-out overlaps); `engines_applied` how many engines hold
+  the last version.
 
 `fleet_scale_slow_engine` (key of its own): one engine among 64 whose every swap RPC takes
 `swap_delay_ms` (stage, status, apply: `slow_engine_own_ms` per activation). A fleet that fans
@@ -61,6 +63,7 @@ async def activation_times(make_engine, engines: int, *, activations: int = ACTI
     fleet = Fleet(fakes)
     sampling = SamplingSettings(max_tokens=BUSY_TOKENS)
     seconds: list[float] = []
+    cpu: list[float] = []
     outcomes: list[str] = []
 
     async def stream(k: int) -> None:
@@ -73,12 +76,13 @@ async def activation_times(make_engine, engines: int, *, activations: int = ACTI
             tg.start_soon(stream, k)
         await anyio.sleep(2 * BUSY_CHUNK_DELAY_S if busy else 0)  # every stream has started
         for version in range(1, activations + 1):
-            started = time.perf_counter()
+            started, thread = time.perf_counter(), time.thread_time()
             record = await fleet.activate(version)
             seconds.append(time.perf_counter() - started)
+            cpu.append(time.thread_time() - thread)
             outcomes.append(record.outcome)
         tg.cancel_scope.cancel()
-    return {"seconds": seconds, "outcomes": outcomes,
+    return {"seconds": seconds, "cpu_seconds": cpu, "outcomes": outcomes,
             "engines_applied": sum(f.version == activations for f in fakes),
             "slow_engine_own_s": (fakes[0].swap_delayed_s / activations) if slow else 0.0}
 
@@ -93,6 +97,7 @@ async def fleet_scale_row(make_engine, rate, engines: int, rollouts: int, concur
                                     swap_delay_s=RPC_LATENCY_S)
     return {"engines": engines, "rollouts_per_s": measured["rollouts_per_s"], "loop_lag_p99_ms": 1e3 * p99(lags),
             "activation_ms": 1e3 * statistics.median(idle["seconds"]),
+            "activation_cpu_ms": 1e3 * statistics.median(idle["cpu_seconds"]),
             "activation_busy_ms": 1e3 * statistics.median(busy["seconds"]),
             "activation_latent_ms": 1e3 * statistics.median(latent["seconds"]),
             "engines_applied": min(m["engines_applied"] for m in (idle, busy, latent)),
@@ -121,6 +126,6 @@ async def fleet_scale(make_engine, rate, sizes=SIZES, rollouts: int = 4096, slow
         out["fleet_scale_slow_engine"] = await slow_engine(make_engine, slow_fleet, slow_delay_s)
     by_n = {r["engines"]: r for r in rows}
     if 16 in by_n and 256 in by_n:  # the goal: <= 4
-        for key in ("activation_ms", "activation_busy_ms", "activation_latent_ms"):
+        for key in ("activation_ms", "activation_cpu_ms", "activation_busy_ms", "activation_latent_ms"):
             out[f"fleet_scale_{key[:-3]}_ratio_256_vs_16"] = by_n[256][key] / by_n[16][key]
     return out

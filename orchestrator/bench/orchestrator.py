@@ -473,7 +473,7 @@ def bench_command(args: argparse.Namespace) -> int:
         for row in result.get("fleet_scale", []):
             print(f"fleet_scale engines={row['engines']:<4d} rollouts/s={row['rollouts_per_s']:8.1f} "
                   f"loop_lag_p99_ms={row['loop_lag_p99_ms']:6.1f} activation_ms={row['activation_ms']:7.1f} "
-                  f"(busy {row['activation_busy_ms']:.1f}, 10 ms RPCs {row['activation_latent_ms']:.1f})")
+                  f"(cpu {row['activation_cpu_ms']:.1f}, busy {row['activation_busy_ms']:.1f}, 10 ms RPCs {row['activation_latent_ms']:.1f})")
         for key, value in result.items():
             if not isinstance(value, (dict, list)):
                 print(f"{key:28s} {value:.3f}" if isinstance(value, float) else f"{key:28s} {value}")

@@ -21,6 +21,7 @@ async def test_the_fleet_scale_rows_measure_every_size_and_every_engine_applies(
         assert CONTRACT <= set(row)
         assert all(isinstance(row[k], float) and row[k] >= 0 for k in CONTRACT - {"engines"})
         assert row["rollouts_per_s"] > 0 and row["rollouts"] >= 64
+        assert {"activation_cpu_ms", "activation_busy_ms", "activation_latent_ms"} <= set(row)
         assert row["engines_applied"] == row["engines"], "an engine did not apply the version"
         assert row["activation_outcomes"] == ["activated"]
     slow = out["fleet_scale_slow_engine"]
