@@ -62,6 +62,7 @@ class Fleet(AdapterStaging, RolloutStreams):
                                                      timeouts=timeouts, live_version=live_version)
         self.ft = fleet_timeouts or FleetTimeouts()
         self.tracks: dict[str, Track] = {}
+        self._tracks_by_engine: dict[str, dict[str, Track]] = {}  # the same tracks by engine (`tracks_on`)
         # Called with every terminal outcome of `generate` (redispatched attempts included), in order;
         # nothing is kept here: a long run's memory stays flat (the replay log is the record).
         self.on_outcome = on_outcome
@@ -278,22 +279,19 @@ class Fleet(AdapterStaging, RolloutStreams):
                 return None
             if isinstance(a, act.Drain):
                 self._gates.setdefault(e, anyio.Event())
-                while any(t.engine == e for t in self.tracks.values()):
+                while self._tracks_by_engine.get(e):
                     await anyio.sleep(self.ft.poll_s)
                 return act.Drained(engine=e, at=now())
             if isinstance(a, act.AbortInflight):
-                for t in list(self.tracks.values()):
-                    if t.engine == e:
-                        t.aborted_by_activation = True
-                        await engine.abort(t.request_id)
+                for t in self.tracks_on(e):
+                    t.aborted_by_activation = True
+                    await engine.abort(t.request_id)
                 return None
             if isinstance(a, act.Pause):
                 self._paused.add(e)
                 self._salt_unsettled.add(e)
-                if a.mode == "abort":  # a scan of every request per engine: only where it marks one
-                    for t in self.tracks.values():
-                        if t.engine == e:
-                            t.aborted_by_activation = True
+                for t in self.tracks_on(e):
+                    t.aborted_by_activation = a.mode == "abort"
                 await engine.pause(a.mode, a.clear_cache)
                 return act.Paused(engine=e, at=now())
             if isinstance(a, act.Swap):
@@ -439,11 +437,10 @@ class Fleet(AdapterStaging, RolloutStreams):
     def _fence(self, engine_id: str, reason: str) -> None:
         """No new requests; its in-flight rollouts end `errored(engine_fenced)`."""
         log.warning("fleet.fenced", engine=engine_id, reason=reason)
-        for t in list(self.tracks.values()):
-            if t.engine == engine_id:
-                t.fenced = True
-                if t.cancel is not None:
-                    t.cancel.cancel()
+        for t in self.tracks_on(engine_id):
+            t.fenced = True
+            if t.cancel is not None:
+                t.cancel.cancel()
 
     def join_next(self, engine_id: str) -> None:
         """A fenced engine comes back with the next version that goes live (see
