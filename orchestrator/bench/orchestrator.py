@@ -23,6 +23,11 @@
 6. Async speed-up (`--digits-steps N`, real engine and trainer): the embedded default config
    run in async mode and in sync mode for the same number of steps; `async_speedup` = trainer
    steps per minute async over sync.
+7. Hundreds of engines (`--fleet-scale 1 16 64 256`): `fleet_scale`, per fleet size, the loop's
+   rollouts/s and event-loop lag, and one activation's time (`orchestrator/bench/fleet_scale.py`).
+
+Each part can be skipped to run one alone, e.g. `--fleet-scale 1 16 64 256` with `--concurrency
+--score-rollouts 0 --soak-steps 0 --generation-preset none --multi-turn-episodes 0 --digits-steps 0`.
 """
 
 from __future__ import annotations
@@ -43,7 +48,8 @@ CHUNK = 16
 
 def register(bench_sub) -> None:
     p = bench_sub.add_parser("orchestrator", help="orchestrator rollouts/s vs a bare task group; async vs sync")
-    p.add_argument("--concurrency", type=int, nargs="+", default=[64, 8192], help="rollouts in flight")
+    p.add_argument("--concurrency", type=int, nargs="*", default=[64, 8192],
+                   help="rollouts in flight (none given: skip the overhead measurements)")
     p.add_argument("--rollouts", type=int, default=16384, help="rollouts per measurement (at least 2 batches)")
     p.add_argument("--digits-steps", type=int, default=12,
                    help="trainer steps per mode for async_speedup on the digits task (0: skip; real engine)")
@@ -54,6 +60,14 @@ def register(bench_sub) -> None:
                         "preset (real engine; none: skip)")
     p.add_argument("--multi-turn-episodes", type=int, default=1024,
                    help="episodes of the multi_turn_overhead_ratio measurement (0: skip; the tiny-rl tokenizer)")
+    p.add_argument("--score-rollouts", type=int, default=None,
+                   help="rollouts of the score_overhead_ratio measurements (default: --rollouts; 0: skip them)")
+    p.add_argument("--fleet-scale", type=int, nargs="*", default=[1, 16, 64, 256],
+                   help="fleet sizes of the fleet_scale rows (rollouts/s, loop lag, activation time with N "
+                        "fake engines; none or 0: skip)")
+    p.add_argument("--fleet-scale-rollouts", type=int, default=4096, help="rollouts per fleet_scale row")
+    p.add_argument("--fleet-scale-slow-ms", type=float, default=200.0,
+                   help="fleet_scale_slow_engine: one of 64 engines answers every swap RPC this late (0: skip)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=bench_command)
 
@@ -62,7 +76,9 @@ def register(bench_sub) -> None:
 # The fake engine and the fake trainer.
 
 
-def fake_engine(engine_id: str, tokens: int = TOKENS, chunk_delay_s: float = 0.0):
+def fake_engine(engine_id: str, tokens: int = TOKENS, chunk_delay_s: float = 0.0, swap_delay_s: float = 0.0):
+    """`swap_delay_s`: every swap RPC (stage, status, apply, ...) takes that long, a slow engine
+    among fast ones (`orchestrator/bench/fleet_scale.py`); `swap_delayed_s` adds up its waits."""
     from orchestrator.engines.base import Engine, TokenChunk, VersionSpan
 
     class ZeroLatencyEngine(Engine):
@@ -72,6 +88,7 @@ def fake_engine(engine_id: str, tokens: int = TOKENS, chunk_delay_s: float = 0.0
             self.engine_id = engine_id
             self.version = 0
             self.staged = None
+            self.swap_delayed_s = 0.0
             self._chunk_ids = list(range(CHUNK))
             self._chunk_lps = [-1.0] * CHUNK
 
@@ -98,6 +115,9 @@ def fake_engine(engine_id: str, tokens: int = TOKENS, chunk_delay_s: float = 0.0
         async def reset_prefix_cache(self): ...
         async def collective_rpc(self, method, args=(), kwargs=None, timeout=None):
             # The swap extension's answers, instantly: a version staged is ready at once.
+            if swap_delay_s and method.startswith("swap_"):
+                await anyio.sleep(swap_delay_s)
+                self.swap_delayed_s += swap_delay_s
             if method == "swap_stage":
                 self.staged = json.loads(args[0])["version"]
             if method == "swap_status":
@@ -178,7 +198,7 @@ class BenchRun:
     `pool`: "thread" or "process" (`task.score_pool`), or "inline" (on the loop: a baseline)."""
 
     def __init__(self, run_dir: Path, concurrency: int, rollouts: int, score_ms: float = 0.0,
-                 tokens: int = TOKENS, pool: str = "thread", chunk_delay_s: float = 0.0) -> None:
+                 tokens: int = TOKENS, pool: str = "thread", chunk_delay_s: float = 0.0, engines: int = 1) -> None:
         from orchestrator.scheduling import scheduler as sch
         from orchestrator.config.run import RunConfig, RunSection, SchedulerConfig
         from orchestrator.fleet.fleet import Fleet
@@ -201,8 +221,9 @@ class BenchRun:
         self.metrics = RunMetrics()
         self.recorder = Recorder(run_dir, on_record=self.metrics.on_record)
         self.journal = DispatchJournal(run_dir)
-        self.fleet = Fleet([fake_engine("fake-0", tokens, chunk_delay_s)])
-        self.scheduler = sch.Scheduler(scheduler, ["fake-0"], max_steps=self.max_steps)
+        ids = [f"fake-{i}" for i in range(engines)]
+        self.fleet = Fleet([fake_engine(e, tokens, chunk_delay_s) for e in ids])
+        self.scheduler = sch.Scheduler(scheduler, ids, max_steps=self.max_steps)
         self.trainer = InstantTrainer()
         self.task = FixedTask(score_ms)
         self.scorer = InlineScorer(self.task) if pool == "inline" else make_scorer(
@@ -221,21 +242,28 @@ class BenchRun:
 
 
 async def orchestrator_rate(concurrency: int, rollouts: int, score_ms: float = 0.0, pool: str = "thread",
-                            chunk_delay_s: float = 0.0, tokens: int = TOKENS) -> dict:
-    """Rollouts/s of the real RunLoop, and the event loop thread's CPU per rollout."""
+                            chunk_delay_s: float = 0.0, tokens: int = TOKENS, engines: int = 1,
+                            loop_lags: list[float] | None = None) -> dict:
+    """Rollouts/s of the real RunLoop, and the event loop thread's CPU per rollout. `engines`
+    fake engines share the rollouts; `loop_lags` (a list) gets the event loop's lag, sampled
+    all along (`sample_loop_lag`)."""
     from orchestrator.run.loop import RunLoop
 
     with tempfile.TemporaryDirectory(prefix="inflight-bench-") as tmp:
         run = BenchRun(Path(tmp), concurrency, rollouts, score_ms, tokens=tokens, pool=pool,
-                       chunk_delay_s=chunk_delay_s)
+                       chunk_delay_s=chunk_delay_s, engines=engines)
         loop = RunLoop(run)
         run.loop = loop
         await run.scorer.start()
         try:
-            started, cpu = time.perf_counter(), time.thread_time()
-            with anyio.fail_after(600):
-                await loop.main(run.scheduler.start())
-            elapsed, cpu = time.perf_counter() - started, time.thread_time() - cpu
+            async with anyio.create_task_group() as tg:
+                if loop_lags is not None:
+                    tg.start_soon(sample_loop_lag, loop_lags)
+                started, cpu = time.perf_counter(), time.thread_time()
+                with anyio.fail_after(600):
+                    await loop.main(run.scheduler.start())
+                elapsed, cpu = time.perf_counter() - started, time.thread_time() - cpu
+                tg.cancel_scope.cancel()
         finally:
             await run.scorer.aclose()
         consumed = run.scheduler.done_steps * run.scheduler.batch_size
@@ -244,6 +272,15 @@ async def orchestrator_rate(concurrency: int, rollouts: int, score_ms: float = 0
         run.journal.close()
         return {"rollouts": consumed, "seconds": elapsed, "rollouts_per_s": consumed / elapsed,
                 "records": run.recorder.written, "loop_cpu_us_per_rollout": 1e6 * cpu / consumed}
+
+
+async def sample_loop_lag(lags: list[float], period_s: float = 0.01) -> None:
+    """Appends, until cancelled, how late each `period_s` sleep woke (seconds): what every task
+    on the event loop waits beyond its due time, at that moment."""
+    while True:
+        before = time.perf_counter()
+        await anyio.sleep(period_s)
+        lags.append(max(0.0, time.perf_counter() - before - period_s))
 
 
 async def bare_rate(concurrency: int, rollouts: int) -> dict:
@@ -318,8 +355,16 @@ async def run_bench(args: argparse.Namespace) -> dict:
         result[f"overhead_ratio_c{c}"] = orch["rollouts_per_s"] / bare["rollouts_per_s"]
     if 64 in rates and 8192 in rates:
         result["scale_ratio_8192_vs_64"] = rates[8192] / rates[64]
-    result.update(await score_overhead(args.rollouts))
-    result.update(await score_overhead_paced())
+    score_rollouts = args.rollouts if args.score_rollouts is None else args.score_rollouts
+    if score_rollouts:
+        result.update(await score_overhead(score_rollouts))
+        result.update(await score_overhead_paced())
+    sizes = [n for n in args.fleet_scale if n > 0]
+    if sizes:
+        from orchestrator.bench.fleet_scale import fleet_scale
+
+        result.update(await fleet_scale(fake_engine, orchestrator_rate, sizes, rollouts=args.fleet_scale_rollouts,
+                                        slow_delay_s=args.fleet_scale_slow_ms / 1000))
     if args.soak_steps:
         result.update(await soak(args.soak_steps, max(1, args.soak_steps // 10)))
     if args.multi_turn_episodes:
@@ -425,7 +470,11 @@ def bench_command(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
     else:
+        for row in result.get("fleet_scale", []):
+            print(f"fleet_scale engines={row['engines']:<4d} rollouts/s={row['rollouts_per_s']:8.1f} "
+                  f"loop_lag_p99_ms={row['loop_lag_p99_ms']:6.1f} activation_ms={row['activation_ms']:7.1f} "
+                  f"(cpu {row['activation_cpu_ms']:.1f}, busy {row['activation_busy_ms']:.1f}, 10 ms RPCs {row['activation_latent_ms']:.1f})")
         for key, value in result.items():
-            if not isinstance(value, dict):
+            if not isinstance(value, (dict, list)):
                 print(f"{key:28s} {value:.3f}" if isinstance(value, float) else f"{key:28s} {value}")
     return 0

@@ -109,7 +109,7 @@ class AdapterStaging:
 
     def _in_use(self, engine_id: str) -> set[int]:
         """Versions an engine must keep: live, and named by a request in flight there."""
-        used = {t.dispatched_version for t in self.tracks.values() if t.engine == engine_id}
+        used = {t.dispatched_version for t in self.tracks_on(engine_id)}
         for user in self.adapter_users:
             used |= user(engine_id)
         return used | {self.live_version}

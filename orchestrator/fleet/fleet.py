@@ -66,6 +66,7 @@ class Fleet(AdapterStaging, RolloutStreams, FleetMembership):
                                                      timeouts=timeouts, live_version=live_version)
         self.ft = fleet_timeouts or FleetTimeouts()
         self.tracks: dict[str, Track] = {}
+        self._tracks_by_engine: dict[str, dict[str, Track]] = {}  # the same tracks by engine (`tracks_on`)
         # Called with every terminal outcome of `generate` (redispatched attempts included), in order;
         # nothing is kept here: a long run's memory stays flat (the replay log is the record).
         self.on_outcome = on_outcome
@@ -174,7 +175,9 @@ class Fleet(AdapterStaging, RolloutStreams, FleetMembership):
     async def _activate(self, version: int, rollback: bool, source: dict | None) -> act.Record:
         coord = self.coordinator
         self._stage_source = dict(source or {})
-        send, recv = anyio.create_memory_object_stream[act.Event](1000)
+        # Room for every engine's answer: a fixed 1000 made each answer past it wait for the loop
+        # (a fleet of over a thousand engines). Bounded anyway: a few events per engine and phase.
+        send, recv = anyio.create_memory_object_stream[act.Event](max(1000, 8 * len(self.engines)))
         record: act.Record | None = None
         try:
             self._events = send
@@ -282,21 +285,19 @@ class Fleet(AdapterStaging, RolloutStreams, FleetMembership):
                 return None
             if isinstance(a, act.Drain):
                 self._gates.setdefault(e, anyio.Event())
-                while any(t.engine == e for t in self.tracks.values()):
+                while self._tracks_by_engine.get(e):
                     await anyio.sleep(self.ft.poll_s)
                 return act.Drained(engine=e, at=now())
             if isinstance(a, act.AbortInflight):
-                for t in list(self.tracks.values()):
-                    if t.engine == e:
-                        t.aborted_by_activation = True
-                        await engine.abort(t.request_id)
+                for t in self.tracks_on(e):
+                    t.aborted_by_activation = True
+                    await engine.abort(t.request_id)
                 return None
             if isinstance(a, act.Pause):
                 self._paused.add(e)
                 self._salt_unsettled.add(e)
-                for t in self.tracks.values():
-                    if t.engine == e:
-                        t.aborted_by_activation = a.mode == "abort"
+                for t in self.tracks_on(e):
+                    t.aborted_by_activation = a.mode == "abort"
                 await engine.pause(a.mode, a.clear_cache)
                 return act.Paused(engine=e, at=now())
             if isinstance(a, act.Swap):
@@ -456,11 +457,10 @@ class Fleet(AdapterStaging, RolloutStreams, FleetMembership):
             return
         log.warning("fleet.fenced", engine=engine_id, reason=reason)
         self.set_state(engine_id, "fenced", reason)
-        for t in list(self.tracks.values()):
-            if t.engine == engine_id:
-                t.fenced = True
-                if t.cancel is not None:
-                    t.cancel.cancel()
+        for t in self.tracks_on(engine_id):
+            t.fenced = True
+            if t.cancel is not None:
+                t.cancel.cancel()
 
     async def mark_leaving(self, engine_id: str) -> None:
         """The engine takes no new request and no later activation includes it; an activation

@@ -57,7 +57,7 @@ class EngineMember(msgspec.Struct):
 
 class FleetMembership:
     """Mixed into `Fleet`: requires `engines`, `coordinator`, `tracks`, `ft`, `strategy`,
-    `live_version`, `_activation_lock`, `_rpc`, `_rejoin`, `mark_leaving`, `abort_many`."""
+    `live_version`, `_activation_lock`, `_rpc`, `_rejoin`, `mark_leaving`, `abort_many`, `tracks_on`."""
 
     def init_membership(self) -> None:
         now = time.time()
@@ -195,23 +195,22 @@ class FleetMembership:
         with anyio.move_on_after(drain_s):
             while self._holds(engine_id):
                 await anyio.sleep(self.ft.poll_s)
-        left = [t.request_id for t in self.tracks.values() if t.engine == engine_id]
+        left = [t.request_id for t in self.tracks_on(engine_id)]
         if left:
             log.warning("fleet.drain_expired", engine=engine_id, aborting=len(left), drain_s=drain_s)
-            for t in self.tracks.values():
-                if t.engine == engine_id:
-                    t.left = True
+            for t in self.tracks_on(engine_id):
+                t.left = True
             await self.abort_many(left)
             with anyio.move_on_after(self.ft.rpc_s):
                 while self._holds(engine_id):
                     await anyio.sleep(self.ft.poll_s)
-            for t in list(self.tracks.values()):  # an engine that does not answer its abort
-                if t.engine == engine_id and t.cancel is not None:
+            for t in self.tracks_on(engine_id):  # an engine that does not answer its abort
+                if t.cancel is not None:
                     t.cancel.cancel()
         return len(left)
 
     def _holds(self, engine_id: str) -> bool:
-        return any(t.engine == engine_id for t in self.tracks.values())
+        return bool(self.tracks_on(engine_id))
 
     async def remove(self, engine_id: str, state: MemberState = "left", why: str = "") -> None:
         """The engine is out of the fleet (drained, or lost for good); between activations."""

@@ -157,16 +157,16 @@ def _compress(points: list[tuple[int, int]]) -> list[tuple[int, int]]:
 
 
 class RolloutStreams:
-    """Mixed into `Fleet`: requires `engines`, `coordinator`, `ft`, `tracks`, `request_adapter`,
+    """Mixed into `Fleet`: requires `engines`, `coordinator`, `ft`, `tracks`, `_tracks_by_engine`, `request_adapter`,
     `_gates`, `_gate_waiters`, `_paused`, `_deferred_aborts`, `_reports_due`, `_salt_unsettled`, `_salt_version`,
     `_rr` and `live_version`."""
 
     def _pick(self, engine_id: str | None) -> str:
-        serving = self.coordinator.serving
-        if engine_id is not None:
-            if engine_id not in serving:
+        if engine_id is not None:  # the scheduler's choice (not `serving`: a new tuple of the fleet per rollout)
+            if not self.coordinator.may_dispatch(engine_id):
                 raise FencedEngineError(engine_id, "fenced out of the fleet: it takes no new requests")
             return engine_id
+        serving = self.coordinator.serving
         if not serving:
             raise ActivationError("no engine serves: every engine is fenced")
         return serving[next(self._rr) % len(serving)]
@@ -214,6 +214,7 @@ class RolloutStreams:
         rid = request_id or f"r{uuid.uuid4().hex[:16]}"
         track = Track(rid, target, self.live_version, time.time())
         self.tracks[rid] = track
+        self._tracks_by_engine.setdefault(target, {})[rid] = track
         tokens: list[int] = []
         logprobs: list[float] = []
         spans = None
@@ -285,6 +286,7 @@ class RolloutStreams:
             raise
         finally:
             self.tracks.pop(rid, None)
+            self._tracks_by_engine[target].pop(rid, None)
         if self.strategy == "adapter":
             # Its adapter is its version, first token to last; the engine's labels say nothing
             # about adapters (every engine stays labelled 0).
@@ -336,6 +338,11 @@ class RolloutStreams:
         c = FleetCompletion("", "", [], [0] * n, [], change_points(spans, n, track.dispatched_version,
                                                                       track.switches), 0, False, "")
         return c.versions
+
+    def tracks_on(self, engine_id: str) -> list[Track]:
+        """The requests in flight on one engine. Kept per engine: a scan of every request for
+        each engine made an activation O(engines x requests) (a drain polls it)."""
+        return list(self._tracks_by_engine.get(engine_id, {}).values())
 
     # -- what the scheduler needs -------------------------------------------------------------
     def load(self) -> dict[str, int]:
