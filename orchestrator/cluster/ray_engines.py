@@ -24,6 +24,7 @@ import logging
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.parse
 from pathlib import Path
@@ -42,6 +43,7 @@ from transports.engine_signals import DIE_WITH_PARENT_ENV, ENGINE_CHILD_ENV
 
 log = get_logger(__name__)
 CALL_TIMEOUT_S = 10.0  # an actor call that is not answered in this time: its node is unreachable
+GCS_PROBE_S = 5.0  # a TCP connect to the Ray head's GCS port that takes longer: nothing answers there
 
 
 def node_ip_towards(address: str) -> str:
@@ -54,6 +56,57 @@ def node_ip_towards(address: str) -> str:
         except OSError as exc:
             raise ConfigError("cluster.address", f"no route to {host}: {exc}") from None
         return s.getsockname()[0]
+
+
+def import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError("cluster.backend", "\"ray\" needs Ray on every host: pip install 'inflight-rl[ray]'") \
+            from None
+    return ray
+
+
+def gcs_endpoint(address: str) -> tuple[str, int] | None:
+    """The (host, port) a `[cluster] address` names, None when it names no port (Ray resolves it)."""
+    parts = urllib.parse.urlsplit(address if "://" in address else f"//{address}")
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    return (parts.hostname, port) if parts.hostname and port else None
+
+
+def probe_gcs(host: str, port: int, timeout_s: float = GCS_PROBE_S) -> None:
+    """A TCP connect to the head's GCS port: `ray.init` retries a closed or silent port for minutes,
+    printing nothing, so a cluster that is not there is refused here, in seconds."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            pass
+    except OSError as exc:
+        raise ConfigError("cluster.address", f"no Ray cluster answers at {host}:{port} ({exc})") from None
+
+
+def within(deadline_s: float, fn):
+    """`fn()`'s result (or exception), or TimeoutError once `deadline_s` passes. `fn` runs in a daemon
+    thread, left behind on a timeout: a blocking call with no timeout of its own cannot be cancelled,
+    and the run that gave up on it exits rather than wait."""
+    outcome: dict = {}
+
+    def call() -> None:
+        try:
+            outcome["result"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=call, name="inflight-within", daemon=True)
+    thread.start()
+    thread.join(deadline_s)
+    if thread.is_alive():
+        raise TimeoutError(f"no answer within {deadline_s}s")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
 
 
 class EngineHost:
@@ -189,21 +242,31 @@ class RayPlacement:
         self.group = None
 
     def connect(self) -> None:
-        try:
-            import ray
-        except ImportError:
-            raise ConfigError("cluster.backend", "\"ray\" needs Ray on every host: pip install 'inflight-rl[ray]'") \
-                from None
+        """Join the Ray cluster at `cluster.address` (once), or refuse it by name, bounded in time."""
+        ray = import_ray()
+        if ray.is_initialized():
+            return
+        endpoint = gcs_endpoint(self.config.address)
+        if endpoint is not None:
+            probe_gcs(*endpoint)
+        self._init(ray, "{}:{}".format(*endpoint) if endpoint else self.config.address)
 
-        if not ray.is_initialized():
-            try:
-                # This node's address named: a host without a default route cannot guess it.
-                ray.init(address=self.config.address, namespace=f"inflight-{self.run_id}", log_to_driver=False,
-                         logging_level=logging.ERROR, include_dashboard=False,
-                         _node_ip_address=self.config.node_ip or node_ip_towards(self.config.address))
-            except (ConnectionError, RuntimeError, ValueError) as exc:
-                raise ConfigError("cluster.address", f"cannot join the Ray cluster at {self.config.address}: "
-                                                     f"{exc}") from None
+    def _init(self, ray, where: str) -> None:
+        # Ray 2.60's `init` has no deadline of its own (a port that accepts and never answers, a GCS
+        # that hangs: it retries, printing nothing): bounded here, so a run that cannot join says so.
+        timeout_s = self.config.start_timeout_s
+        # This node's address named: a host without a default route cannot guess it.
+        node_ip = self.config.node_ip or node_ip_towards(self.config.address)
+        try:
+            within(timeout_s, lambda: ray.init(
+                address=self.config.address, namespace=f"inflight-{self.run_id}", log_to_driver=False,
+                logging_level=logging.ERROR, include_dashboard=False, _node_ip_address=node_ip))
+        except TimeoutError:
+            raise ConfigError("cluster.address", f"no Ray cluster answers at {where} (ray.init did not return "
+                                                 f"within cluster.start_timeout_s = {timeout_s}s)") from None
+        except (ConnectionError, RuntimeError, ValueError) as exc:
+            raise ConfigError("cluster.address", f"cannot join the Ray cluster at {self.config.address}: "
+                                                 f"{exc}") from None
 
     def place_engines(self, engine_configs: list[tuple[str, EngineConfig]]) -> list[RayServerEngine]:
         """Reserve the placement group (bounded by `start_timeout_s`) and create the actors."""
@@ -225,4 +288,5 @@ class RayPlacement:
             ray.shutdown()
 
 
-__all__ = ["EngineHost", "RayPlacement", "RayServerEngine", "node_ip_towards"]
+__all__ = ["EngineHost", "RayPlacement", "RayServerEngine", "gcs_endpoint", "node_ip_towards", "probe_gcs",
+           "within"]
