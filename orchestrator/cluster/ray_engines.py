@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -237,8 +238,9 @@ class RayServerEngine(ServerEngine):
 class RayPlacement:
     """The run's share of the Ray cluster: one placement group, one `EngineHost` per engine."""
 
-    def __init__(self, config: ClusterConfig, run_id: str) -> None:
+    def __init__(self, config: ClusterConfig, run_id: str, node_ip: str) -> None:
         self.config, self.run_id = config, run_id
+        self.node_ip = node_ip  # this host's address in the cluster, named to Ray (`ClusterSide.node_ip`)
         self.group = None
 
     def connect(self) -> None:
@@ -255,12 +257,12 @@ class RayPlacement:
         # Ray 2.60's `init` has no deadline of its own (a port that accepts and never answers, a GCS
         # that hangs: it retries, printing nothing): bounded here, so a run that cannot join says so.
         timeout_s = self.config.start_timeout_s
-        # This node's address named: a host without a default route cannot guess it.
-        node_ip = self.config.node_ip or node_ip_towards(self.config.address)
         try:
             within(timeout_s, lambda: ray.init(
                 address=self.config.address, namespace=f"inflight-{self.run_id}", log_to_driver=False,
-                logging_level=logging.ERROR, include_dashboard=False, _node_ip_address=node_ip))
+                logging_level=logging.ERROR, include_dashboard=False,
+                # This node's address named: a host without a default route cannot guess it.
+                _node_ip_address=self.node_ip))
         except TimeoutError:
             raise ConfigError("cluster.address", f"no Ray cluster answers at {where} (ray.init did not return "
                                                  f"within cluster.start_timeout_s = {timeout_s}s)") from None
@@ -280,11 +282,12 @@ class RayPlacement:
 
     def close(self) -> None:
         """Release the placement group and leave the cluster (never stops the cluster itself)."""
-        import ray
-
         release(self.group)
         self.group = None
-        if ray.is_initialized():
+        # Ray never imported: the cluster was never joined (a run that failed before placing its
+        # engines closes this too, on a host that may not even have Ray).
+        ray = sys.modules.get("ray")
+        if ray is not None and ray.is_initialized():
             ray.shutdown()
 
 

@@ -19,9 +19,9 @@ from tests.helpers import free_port
 def test_an_address_where_nothing_listens_is_refused_by_name_before_ray_init(capsys):
     ray = pytest.importorskip("ray")
     port = free_port()  # bound, then closed: nothing listens on it
-    config = ClusterConfig(address=f"127.0.0.1:{port}", node_ip="127.0.0.1").validate()
+    config = ClusterConfig(address=f"127.0.0.1:{port}").validate()
     with pytest.raises(ConfigError) as info:
-        RayPlacement(config, "join-test").connect()
+        RayPlacement(config, "join-test", node_ip="127.0.0.1").connect()
     assert info.value.field == "cluster.address"
     assert info.value.reason.startswith(f"no Ray cluster answers at 127.0.0.1:{port} ("), info.value.reason
     assert not ray.is_initialized()  # refused by the probe: ray.init never ran
