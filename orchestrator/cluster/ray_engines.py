@@ -12,10 +12,9 @@ lifetimes only, never rollouts or weights.
 Lifetimes: Ray kills the actors of a driver that exits, and removes its placement group; the server
 dies with its actor (a parent-death signal), its engine core with it and its worker with the engine
 core (`transports.engine_signals`: Ray kills a dead worker's children, not their children), so a
-SIGKILLed orchestrator leaves nothing on any node. The actor's watchdog (`orchestrator.reaper`)
-sweeps what an orderly stop leaves. A node or
-actor that dies answers `exit_code` with an error: the engine reports itself dead
-(`RayServerEngine.watch`).
+SIGKILLed orchestrator leaves nothing on any node; an orderly stop ends the server's process group
+(no watchdog of ours runs on the engine's node, see `EngineHost`). A node or actor that dies answers
+`exit_code` with an error: the engine reports itself dead (`RayServerEngine.watch`).
 """
 
 from __future__ import annotations
@@ -111,13 +110,16 @@ def within(deadline_s: float, fn):
 
 
 class EngineHost:
-    """The Ray actor that owns one engine's server process on its node (see the module docstring)."""
+    """The Ray actor that owns one engine's server process on its node (see the module docstring).
+
+    It starts no watchdog (`orchestrator.reaper`): one would be the actor's child, which Ray kills
+    with a dead actor before it could sweep (and a dead node takes it along), and an orderly `stop`
+    ends the server's whole process group and waits until none of it is left. What ends the server
+    when the actor dies is the chain of parent-death signals: the server's (`die_with_parent`), its
+    engine core's and its worker's (DIE_WITH_PARENT_ENV, `transports.engine_signals`)."""
 
     def __init__(self, engine_id: str) -> None:
-        from orchestrator.reaper import Reaper
-
         self.engine_id = engine_id
-        self.reaper = Reaper.start()  # before any child: the server inherits the token
         self.process: subprocess.Popen | None = None
         self.log_path: Path | None = None
 
@@ -149,7 +151,6 @@ class EngineHost:
     def stop(self, grace_s: float = 15.0) -> int | None:
         if self.process is not None:
             terminate_process_group(self.process, grace_s)
-        self.reaper.stop()
         return self.exit_code()
 
 

@@ -1,18 +1,21 @@
 """Joining the Ray cluster at `[cluster] address`: an address where no Ray cluster answers is refused
 by name, at once, before `ray.init` (which retries a closed or silent port for minutes, printing
-nothing), and `ray.init` itself is bounded. Loopback only; no Ray cluster needed."""
+nothing), and `ray.init` itself is bounded; the engine actor as a plain object. Loopback only; no Ray
+cluster needed."""
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 
 import pytest
 
-from orchestrator.cluster.ray_engines import RayPlacement, gcs_endpoint, probe_gcs, within
+from orchestrator.cluster.ray_engines import EngineHost, RayPlacement, gcs_endpoint, probe_gcs, within
 from orchestrator.commands import cli
 from orchestrator.config.cluster import ClusterConfig
 from orchestrator.errors import ConfigError
+from orchestrator.reaper import RUN_TOKEN
 from tests.helpers import free_port
 
 
@@ -66,3 +69,13 @@ def test_within_gives_up_on_a_call_that_never_returns():
     assert not returned.is_set()  # it gave up while the call still hung
     release.set()
     assert returned.wait(30)  # the abandoned call is left to finish on its own thread
+
+
+def test_the_engine_actor_starts_no_watchdog(monkeypatch):
+    """Ray would kill it with the actor before it could sweep: the server's parent-death signals
+    end it instead (see `EngineHost`)."""
+    monkeypatch.delenv(RUN_TOKEN, raising=False)
+    host = EngineHost("engine-0")
+    assert RUN_TOKEN not in os.environ  # a watchdog's token, which every child would inherit
+    assert not hasattr(host, "reaper")
+    assert host.stop() is None  # no server started: nothing to stop, nothing to wait for
