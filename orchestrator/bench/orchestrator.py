@@ -179,15 +179,15 @@ class BenchRun:
 
     def __init__(self, run_dir: Path, concurrency: int, rollouts: int, score_ms: float = 0.0,
                  tokens: int = TOKENS, pool: str = "thread", chunk_delay_s: float = 0.0) -> None:
-        from orchestrator.scheduling import scheduler as sch
         from orchestrator.config.run import RunConfig, RunSection, SchedulerConfig
         from orchestrator.fleet.fleet import Fleet
         from orchestrator.observe.metrics import RunMetrics
         from orchestrator.observe.progress import Progress, ProgressState
         from orchestrator.run.recording import Recorder
         from orchestrator.run.resume import DispatchJournal
-        from orchestrator.scoring.scorer import make_scorer
         from orchestrator.run.startup import StartupClock
+        from orchestrator.scheduling import scheduler as sch
+        from orchestrator.scoring.scorer import make_scorer
         from replay.records import PolicyIdentity, SamplingSettings
 
         group = 8

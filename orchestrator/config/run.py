@@ -10,10 +10,10 @@ from typing import Literal
 
 import msgspec
 
-from orchestrator.config.task import EvalConfig, TaskConfig
-from orchestrator.config.trainer import LoraConfig, TrainerConfig
 from orchestrator.config.cluster import ClusterConfig
 from orchestrator.config.sampling import check_sampling
+from orchestrator.config.task import EvalConfig, TaskConfig
+from orchestrator.config.trainer import LoraConfig, TrainerConfig
 from orchestrator.errors import ConfigError
 from replay.records import SamplingSettings
 

@@ -29,9 +29,8 @@ import anyio
 
 from orchestrator.activation import coordinator as act
 from orchestrator.engines.base import Engine
-from orchestrator.fleet.adapters import AdapterStaging, AdapterStore
 from orchestrator.errors import EngineDeadError, EngineError
-from orchestrator.observe.logging import get_logger
+from orchestrator.fleet.adapters import AdapterStaging, AdapterStore
 from orchestrator.fleet.rollouts import (  # noqa: F401 - re-exported: the fleet's request half
     ENGINE_REQUEST_PREFIX,
     FleetCompletion,
@@ -41,6 +40,7 @@ from orchestrator.fleet.rollouts import (  # noqa: F401 - re-exported: the fleet
     fleet_request_id,
     version_salt,
 )
+from orchestrator.observe.logging import get_logger
 
 log = get_logger(__name__)
 @dataclass(frozen=True)

@@ -24,13 +24,13 @@ from pathlib import Path
 import anyio
 import msgspec
 
-from orchestrator.scheduling import scheduler as sch
 from orchestrator.config.run import RunConfig
 from orchestrator.errors import ConfigError, InflightError
 from orchestrator.observe.logging import get_logger
-from orchestrator.run.preflight import check_model_paths, finished_steps
 from orchestrator.observe.progress import Progress, ProgressState, summary
+from orchestrator.run.preflight import check_model_paths, finished_steps
 from orchestrator.run.startup import StartupClock
+from orchestrator.scheduling import scheduler as sch
 from transports.engine_signals import ENGINE_CHILD_ENV
 
 log = get_logger(__name__)
@@ -93,8 +93,8 @@ class Run:
 
     # -- the whole run -------------------------------------------------------------------------
     async def main(self) -> int:
-        from orchestrator.run.loop import RunLoop
         from orchestrator.reaper import Reaper
+        from orchestrator.run.loop import RunLoop
 
         if self.resume and self._already_finished():
             return 0
@@ -203,8 +203,8 @@ class Run:
     async def _setup(self) -> list:
         from orchestrator.engines import make_engine
         from orchestrator.fleet.adapters import probe_targets
-        from orchestrator.observe.metrics import RunMetrics
         from orchestrator.model import ensure_model
+        from orchestrator.observe.metrics import RunMetrics
         from orchestrator.run.recording import Recorder, policy_identity
         from orchestrator.run.resume import DispatchJournal
         from orchestrator.scoring.scorer import make_scorer
@@ -492,8 +492,8 @@ def _make_fleet(engines, config: RunConfig, weights_root: str):
     """The run's fleet: a LoRA run's versions are adapters (the `adapter` strategy: requests name
     them, nothing pauses; "drain": a request ends on the weights it began with, here without
     waiting for it); other runs activate as `[activation]` says."""
-    from orchestrator.fleet.fleet import Fleet
     from orchestrator.fleet.adapters import AdapterStore
+    from orchestrator.fleet.fleet import Fleet
 
     lora = config.trainer.lora
     if lora is None:
