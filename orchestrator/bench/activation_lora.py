@@ -67,8 +67,8 @@ class LoraRow:
     """The lora row's fleet (its loaded adapters persist across repetitions)."""
 
     def __init__(self, engine, root: Path, load: AdapterLoad) -> None:
-        from orchestrator.fleet.fleet import Fleet
         from orchestrator.fleet.adapters import AdapterStore
+        from orchestrator.fleet.fleet import Fleet
 
         self.load = load
         self.fleet = Fleet([engine], strategy="adapter", kv_policy="drain",

@@ -25,6 +25,9 @@
    steps per minute async over sync.
 7. Hundreds of engines (`--fleet-scale 1 16 64 256`): `fleet_scale`, per fleet size, the loop's
    rollouts/s and event-loop lag, and one activation's time (`orchestrator/bench/fleet_scale.py`).
+8. A join (`--join-engines 16`): `join_to_first_rollout_s`, an engine joining a busy fleet the way
+   `inflight fleet add` brings one in, and the others' rate while it catches up
+   (`orchestrator/bench/fleet_join.py`).
 
 Each part can be skipped to run one alone, e.g. `--fleet-scale 1 16 64 256` with `--concurrency
 --score-rollouts 0 --soak-steps 0 --generation-preset none --multi-turn-episodes 0 --digits-steps 0`.
@@ -66,6 +69,8 @@ def register(bench_sub) -> None:
                    help="fleet sizes of the fleet_scale rows (rollouts/s, loop lag, activation time with N "
                         "fake engines; none or 0: skip)")
     p.add_argument("--fleet-scale-rollouts", type=int, default=4096, help="rollouts per fleet_scale row")
+    p.add_argument("--join-engines", type=int, default=16,
+                   help="join_to_first_rollout_s: a fleet of this many fake engines that one more joins (0: skip)")
     p.add_argument("--fleet-scale-slow-ms", type=float, default=200.0,
                    help="fleet_scale_slow_engine: one of 64 engines answers every swap RPC this late (0: skip)")
     p.add_argument("--json", action="store_true", help="print JSON")
@@ -76,9 +81,11 @@ def register(bench_sub) -> None:
 # The fake engine and the fake trainer.
 
 
-def fake_engine(engine_id: str, tokens: int = TOKENS, chunk_delay_s: float = 0.0, swap_delay_s: float = 0.0):
+def fake_engine(engine_id: str, tokens: int = TOKENS, chunk_delay_s: float = 0.0, swap_delay_s: float = 0.0,
+                delayed: tuple[str, ...] | None = None):
     """`swap_delay_s`: every swap RPC (stage, status, apply, ...) takes that long, a slow engine
-    among fast ones (`orchestrator/bench/fleet_scale.py`); `swap_delayed_s` adds up its waits."""
+    among fast ones (`orchestrator/bench/fleet_scale.py`), or only the methods `delayed` names;
+    `swap_delayed_s` adds up its waits."""
     from orchestrator.engines.base import Engine, TokenChunk, VersionSpan
 
     class ZeroLatencyEngine(Engine):
@@ -115,7 +122,7 @@ def fake_engine(engine_id: str, tokens: int = TOKENS, chunk_delay_s: float = 0.0
         async def reset_prefix_cache(self): ...
         async def collective_rpc(self, method, args=(), kwargs=None, timeout=None):
             # The swap extension's answers, instantly: a version staged is ready at once.
-            if swap_delay_s and method.startswith("swap_"):
+            if swap_delay_s and method.startswith("swap_") and (delayed is None or method in delayed):
                 await anyio.sleep(swap_delay_s)
                 self.swap_delayed_s += swap_delay_s
             if method == "swap_stage":
@@ -199,15 +206,15 @@ class BenchRun:
 
     def __init__(self, run_dir: Path, concurrency: int, rollouts: int, score_ms: float = 0.0,
                  tokens: int = TOKENS, pool: str = "thread", chunk_delay_s: float = 0.0, engines: int = 1) -> None:
-        from orchestrator.scheduling import scheduler as sch
         from orchestrator.config.run import RunConfig, RunSection, SchedulerConfig
         from orchestrator.fleet.fleet import Fleet
         from orchestrator.observe.metrics import RunMetrics
         from orchestrator.observe.progress import Progress, ProgressState
         from orchestrator.run.recording import Recorder
         from orchestrator.run.resume import DispatchJournal
-        from orchestrator.scoring.scorer import make_scorer
         from orchestrator.run.startup import StartupClock
+        from orchestrator.scheduling import scheduler as sch
+        from orchestrator.scoring.scorer import make_scorer
         from replay.records import PolicyIdentity, SamplingSettings
 
         group = 8
@@ -365,6 +372,10 @@ async def run_bench(args: argparse.Namespace) -> dict:
 
         result.update(await fleet_scale(fake_engine, orchestrator_rate, sizes, rollouts=args.fleet_scale_rollouts,
                                         slow_delay_s=args.fleet_scale_slow_ms / 1000))
+    if args.join_engines:
+        from orchestrator.bench.fleet_join import join_to_first_rollout
+
+        result.update(await join_to_first_rollout(BenchRun, fake_engine, engines=args.join_engines))
     if args.soak_steps:
         result.update(await soak(args.soak_steps, max(1, args.soak_steps // 10)))
     if args.multi_turn_episodes:

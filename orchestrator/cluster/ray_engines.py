@@ -12,10 +12,9 @@ lifetimes only, never rollouts or weights.
 Lifetimes: Ray kills the actors of a driver that exits, and removes its placement group; the server
 dies with its actor (a parent-death signal), its engine core with it and its worker with the engine
 core (`transports.engine_signals`: Ray kills a dead worker's children, not their children), so a
-SIGKILLed orchestrator leaves nothing on any node. The actor's watchdog (`orchestrator.reaper`)
-sweeps what an orderly stop leaves. A node or
-actor that dies answers `exit_code` with an error: the engine reports itself dead
-(`RayServerEngine.watch`).
+SIGKILLed orchestrator leaves nothing on any node; an orderly stop ends the server's process group
+(no watchdog of ours runs on the engine's node, see `EngineHost`). A node or actor that dies answers
+`exit_code` with an error: the engine reports itself dead (`RayServerEngine.watch`).
 """
 
 from __future__ import annotations
@@ -23,7 +22,9 @@ from __future__ import annotations
 import logging
 import socket
 import subprocess
+import sys
 import tempfile
+import threading
 import time
 import urllib.parse
 from pathlib import Path
@@ -31,9 +32,9 @@ from pathlib import Path
 import anyio
 import msgspec
 
+from orchestrator.cluster.placement import actor_in, bundle_of, kill_actor, release, reserve
 from orchestrator.config.cluster import ClusterConfig
 from orchestrator.config.run import EngineConfig
-from orchestrator.cluster.placement import actor_in, bundle_of, kill_actor, release, reserve
 from orchestrator.engines.server import ServerEngine, server_command, server_env, tail, terminate_process_group
 from orchestrator.errors import ConfigError, EngineDeadError
 from orchestrator.observe.logging import get_logger
@@ -42,6 +43,7 @@ from transports.engine_signals import DIE_WITH_PARENT_ENV, ENGINE_CHILD_ENV
 
 log = get_logger(__name__)
 CALL_TIMEOUT_S = 10.0  # an actor call that is not answered in this time: its node is unreachable
+GCS_PROBE_S = 5.0  # a TCP connect to the Ray head's GCS port that takes longer: nothing answers there
 
 
 def node_ip_towards(address: str) -> str:
@@ -56,14 +58,68 @@ def node_ip_towards(address: str) -> str:
         return s.getsockname()[0]
 
 
+def import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError("cluster.backend", "\"ray\" needs Ray on every host: pip install 'inflight-rl[ray]'") \
+            from None
+    return ray
+
+
+def gcs_endpoint(address: str) -> tuple[str, int] | None:
+    """The (host, port) a `[cluster] address` names, None when it names no port (Ray resolves it)."""
+    parts = urllib.parse.urlsplit(address if "://" in address else f"//{address}")
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    return (parts.hostname, port) if parts.hostname and port else None
+
+
+def probe_gcs(host: str, port: int, timeout_s: float = GCS_PROBE_S) -> None:
+    """A TCP connect to the head's GCS port: `ray.init` retries a closed or silent port for minutes,
+    printing nothing, so a cluster that is not there is refused here, in seconds."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            pass
+    except OSError as exc:
+        raise ConfigError("cluster.address", f"no Ray cluster answers at {host}:{port} ({exc})") from None
+
+
+def within(deadline_s: float, fn):
+    """`fn()`'s result (or exception), or TimeoutError once `deadline_s` passes. `fn` runs in a daemon
+    thread, left behind on a timeout: a blocking call with no timeout of its own cannot be cancelled,
+    and the run that gave up on it exits rather than wait."""
+    outcome: dict = {}
+
+    def call() -> None:
+        try:
+            outcome["result"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=call, name="inflight-within", daemon=True)
+    thread.start()
+    thread.join(deadline_s)
+    if thread.is_alive():
+        raise TimeoutError(f"no answer within {deadline_s}s")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
+
+
 class EngineHost:
-    """The Ray actor that owns one engine's server process on its node (see the module docstring)."""
+    """The Ray actor that owns one engine's server process on its node (see the module docstring).
+
+    It starts no watchdog (`orchestrator.reaper`): one would be the actor's child, which Ray kills
+    with a dead actor before it could sweep (and a dead node takes it along), and an orderly `stop`
+    ends the server's whole process group and waits until none of it is left. What ends the server
+    when the actor dies is the chain of parent-death signals: the server's (`die_with_parent`), its
+    engine core's and its worker's (DIE_WITH_PARENT_ENV, `transports.engine_signals`)."""
 
     def __init__(self, engine_id: str) -> None:
-        from orchestrator.reaper import Reaper
-
         self.engine_id = engine_id
-        self.reaper = Reaper.start()  # before any child: the server inherits the token
         self.process: subprocess.Popen | None = None
         self.log_path: Path | None = None
 
@@ -95,7 +151,6 @@ class EngineHost:
     def stop(self, grace_s: float = 15.0) -> int | None:
         if self.process is not None:
             terminate_process_group(self.process, grace_s)
-        self.reaper.stop()
         return self.exit_code()
 
 
@@ -184,26 +239,37 @@ class RayServerEngine(ServerEngine):
 class RayPlacement:
     """The run's share of the Ray cluster: one placement group, one `EngineHost` per engine."""
 
-    def __init__(self, config: ClusterConfig, run_id: str) -> None:
+    def __init__(self, config: ClusterConfig, run_id: str, node_ip: str) -> None:
         self.config, self.run_id = config, run_id
+        self.node_ip = node_ip  # this host's address in the cluster, named to Ray (`ClusterSide.node_ip`)
         self.group = None
 
     def connect(self) -> None:
-        try:
-            import ray
-        except ImportError:
-            raise ConfigError("cluster.backend", "\"ray\" needs Ray on every host: pip install 'inflight-rl[ray]'") \
-                from None
+        """Join the Ray cluster at `cluster.address` (once), or refuse it by name, bounded in time."""
+        ray = import_ray()
+        if ray.is_initialized():
+            return
+        endpoint = gcs_endpoint(self.config.address)
+        if endpoint is not None:
+            probe_gcs(*endpoint)
+        self._init(ray, "{}:{}".format(*endpoint) if endpoint else self.config.address)
 
-        if not ray.is_initialized():
-            try:
+    def _init(self, ray, where: str) -> None:
+        # Ray 2.60's `init` has no deadline of its own (a port that accepts and never answers, a GCS
+        # that hangs: it retries, printing nothing): bounded here, so a run that cannot join says so.
+        timeout_s = self.config.start_timeout_s
+        try:
+            within(timeout_s, lambda: ray.init(
+                address=self.config.address, namespace=f"inflight-{self.run_id}", log_to_driver=False,
+                logging_level=logging.ERROR, include_dashboard=False,
                 # This node's address named: a host without a default route cannot guess it.
-                ray.init(address=self.config.address, namespace=f"inflight-{self.run_id}", log_to_driver=False,
-                         logging_level=logging.ERROR, include_dashboard=False,
-                         _node_ip_address=self.config.node_ip or node_ip_towards(self.config.address))
-            except (ConnectionError, RuntimeError, ValueError) as exc:
-                raise ConfigError("cluster.address", f"cannot join the Ray cluster at {self.config.address}: "
-                                                     f"{exc}") from None
+                _node_ip_address=self.node_ip))
+        except TimeoutError:
+            raise ConfigError("cluster.address", f"no Ray cluster answers at {where} (ray.init did not return "
+                                                 f"within cluster.start_timeout_s = {timeout_s}s)") from None
+        except (ConnectionError, RuntimeError, ValueError) as exc:
+            raise ConfigError("cluster.address", f"cannot join the Ray cluster at {self.config.address}: "
+                                                 f"{exc}") from None
 
     def place_engines(self, engine_configs: list[tuple[str, EngineConfig]]) -> list[RayServerEngine]:
         """Reserve the placement group (bounded by `start_timeout_s`) and create the actors."""
@@ -217,12 +283,14 @@ class RayPlacement:
 
     def close(self) -> None:
         """Release the placement group and leave the cluster (never stops the cluster itself)."""
-        import ray
-
         release(self.group)
         self.group = None
-        if ray.is_initialized():
+        # Ray never imported: the cluster was never joined (a run that failed before placing its
+        # engines closes this too, on a host that may not even have Ray).
+        ray = sys.modules.get("ray")
+        if ray is not None and ray.is_initialized():
             ray.shutdown()
 
 
-__all__ = ["EngineHost", "RayPlacement", "RayServerEngine", "node_ip_towards"]
+__all__ = ["EngineHost", "RayPlacement", "RayServerEngine", "gcs_endpoint", "node_ip_towards", "probe_gcs",
+           "within"]

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import anyio
 
-from orchestrator.config.cluster import ClusterConfig
 from orchestrator.cluster.placement import actor_in, bundle_of, kill_actor, release, reserve
+from orchestrator.config.cluster import ClusterConfig
 from orchestrator.observe.logging import get_logger
 from orchestrator.reaper import die_with_parent
 

@@ -93,8 +93,8 @@ async def evaluate_model(config, model_dir: str, version: int, log_dir: Path, co
                          run_dir: Path | None = None):
     """One evaluation of `model_dir` with one in-process engine (the run's engine settings)."""
     from orchestrator.engines import make_engine
-    from orchestrator.run.eval import Evaluator
     from orchestrator.fleet.fleet import Fleet
+    from orchestrator.run.eval import Evaluator
     from orchestrator.run.run import run_sampling
     from orchestrator.scoring.scorer import Scorer
     from orchestrator.tasks import make_task

@@ -9,8 +9,8 @@ import sys
 import anyio
 
 from orchestrator.config.run import EngineConfig
-from orchestrator.engines import make_engine
 from orchestrator.config.sampling import check_sampling
+from orchestrator.engines import make_engine
 from orchestrator.engines.base import Completion, SamplingSettings
 from orchestrator.errors import ConfigError
 from orchestrator.model import check_model_dir

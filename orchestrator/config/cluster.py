@@ -65,7 +65,8 @@ class ClusterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     node_ip: str | None = None
     engines: ClusterEngines = ClusterEngines()
     trainer: ClusterTrainer = ClusterTrainer()
-    # Longest wait for the placement group and for every engine server to be placed and listening.
+    # Longest wait to join the Ray cluster (`ray.init`), for the placement group, and for every engine
+    # server to be placed and listening.
     start_timeout_s: float = 600.0
     # An engine that answers neither its health check nor its Ray actor this long (its host's link
     # is down) is fenced; it rejoins at the live version when it answers again.

@@ -11,11 +11,11 @@ from typing import Literal
 
 import msgspec
 
-from orchestrator.config.task import EvalConfig, TaskConfig
-from orchestrator.config.trainer import LoraConfig, TrainerConfig
 from orchestrator.config.cluster import ClusterConfig
 from orchestrator.config.fleet import FleetConfig
 from orchestrator.config.sampling import check_sampling
+from orchestrator.config.task import EvalConfig, TaskConfig
+from orchestrator.config.trainer import LoraConfig, TrainerConfig
 from orchestrator.errors import ConfigError
 from replay.records import SamplingSettings
 

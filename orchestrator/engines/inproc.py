@@ -4,7 +4,6 @@ child processes; vLLM 0.32 always runs AsyncLLM's core out of process)."""
 from __future__ import annotations
 
 import functools
-
 import os
 from collections.abc import AsyncIterator, Sequence
 
@@ -14,8 +13,8 @@ from orchestrator.config.run import EngineConfig
 from orchestrator.config.sampling import check_sampling
 from orchestrator.engines.base import (
     PAUSE_MODES,
-    AdapterRef,
     SKIP_ISA_PROBE,
+    AdapterRef,
     Engine,
     PauseMode,
     SamplingSettings,
@@ -29,8 +28,8 @@ from orchestrator.errors import (
     EngineGenerateError,
     EngineTimeoutError,
 )
-from orchestrator.observe.logging import get_logger
 from orchestrator.model import check_model_dir
+from orchestrator.observe.logging import get_logger
 
 log = get_logger(__name__)
 

@@ -35,8 +35,8 @@ from orchestrator.config.run import EngineConfig
 from orchestrator.config.sampling import check_sampling
 from orchestrator.engines.base import (
     PAUSE_MODES,
-    AdapterRef,
     SKIP_ISA_PROBE,
+    AdapterRef,
     Engine,
     PauseMode,
     SamplingSettings,
@@ -50,8 +50,8 @@ from orchestrator.errors import (
     EngineGenerateError,
     EngineTimeoutError,
 )
-from orchestrator.observe.logging import get_logger
 from orchestrator.model import check_model_dir
+from orchestrator.observe.logging import get_logger
 from orchestrator.reaper import die_with_parent
 from transports.engine_signals import quit_marker
 

@@ -29,10 +29,9 @@ import anyio
 
 from orchestrator.activation import coordinator as act
 from orchestrator.engines.base import Engine
+from orchestrator.errors import EngineDeadError, EngineError
 from orchestrator.fleet.adapters import AdapterStaging, AdapterStore
 from orchestrator.fleet.membership import FleetMembership
-from orchestrator.errors import EngineDeadError, EngineError
-from orchestrator.observe.logging import get_logger
 from orchestrator.fleet.rollouts import (  # noqa: F401 - re-exported: the fleet's request half
     ENGINE_REQUEST_PREFIX,
     FleetCompletion,
@@ -42,6 +41,7 @@ from orchestrator.fleet.rollouts import (  # noqa: F401 - re-exported: the fleet
     fleet_request_id,
     version_salt,
 )
+from orchestrator.observe.logging import get_logger
 
 log = get_logger(__name__)
 SHUTTING_DOWN = "server shutting down"  # what a vLLM server told to stop answers every control call

@@ -37,7 +37,7 @@ class ClusterSide:
 
         self.config = config
         self.node_ip = config.node_ip or node_ip_towards(config.address)  # where other hosts reach us
-        self.placement = RayPlacement(config, run_id)
+        self.placement = RayPlacement(config, run_id, self.node_ip)
         self.trainer_nodes = TrainerNodes(config, run_id) if config.trainer.nodes > 1 else None
         self.token = secrets.token_urlsafe(24)  # the weight server's: handed to engine workers only
         self.engines: list = []
@@ -66,15 +66,10 @@ class ClusterSide:
         self.placement.connect()
         return then()
 
-    @staticmethod
-    def http_host(config: ClusterConfig, configured: str) -> str:
+    def http_host(self, configured: str) -> str:
         """Where the run's HTTP server listens: the configured host, unless it is loopback, which
-        no other host reaches; then this host's address on the route to the Ray head."""
-        from orchestrator.cluster.ray_engines import node_ip_towards
-
-        if configured not in ("127.0.0.1", "localhost", "::1"):
-            return configured
-        return config.node_ip or node_ip_towards(config.address)
+        no other host reaches; then this host's address in the cluster."""
+        return self.node_ip if configured in ("127.0.0.1", "localhost", "::1") else configured
 
     async def place(self, engine_configs) -> list:
         self.engines = await anyio.to_thread.run_sync(self._connected,

@@ -25,10 +25,10 @@ import time
 
 import msgspec
 
-from orchestrator.scheduling import scheduler as sch
 from orchestrator.errors import ActivationError, EngineError
-from orchestrator.run.records import request_id
 from orchestrator.fleet.rollouts import FleetCompletion
+from orchestrator.run.records import request_id
+from orchestrator.scheduling import scheduler as sch
 from orchestrator.tasks.env import Episode, SampledTurn
 
 # Kinds an episode errors with (besides the engine's own).

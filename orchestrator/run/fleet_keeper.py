@@ -206,7 +206,8 @@ class FleetKeeper:
             await self._close(engine)
             self.log_states()
             raise FleetRefused(502, engine_id, "could not be brought to the live version (see orchestrator.jsonl)")
-        self.loop.handle(sch.EngineUp(engine=engine_id, capacity=engine.config.max_num_seqs))
+        config = getattr(engine, "config", None)
+        self.loop.handle(sch.EngineUp(engine=engine_id, capacity=getattr(config, "max_num_seqs", None)))
         self.log_states()
         log.info("fleet.joined", engine=engine_id, source=source, version=self.fleet.live_version,
                  seconds=round(time.monotonic() - started, 3))
@@ -270,7 +271,7 @@ class FleetKeeper:
         self.log_states()
         engine = self.fleet.engines.get(engine_id)
         if (not self.config.replace or engine is None or engine_id in self.busy or self._tg is None
-                or not _replaceable(engine) or self.run.cluster is not None):
+                or not _replaceable(engine) or getattr(self.run, "cluster", None) is not None):
             return
         self.busy.add(engine_id)
         self.replacing += 1
@@ -336,7 +337,7 @@ class FleetKeeper:
             if engine_id in coordinator.serving and await engine.leaving():
                 action = self._leave
             elif (engine_id in coordinator.fenced and engine_id not in coordinator.leaving
-                  and self.run.cluster is None and await _answers_again(engine)
+                  and getattr(self.run, "cluster", None) is None and await _answers_again(engine)
                   and await self._same_identity(engine)):
                 action = self._return
         if action is None or engine_id in self.busy or self._tg is None:

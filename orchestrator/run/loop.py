@@ -20,16 +20,16 @@ import time
 import anyio
 import numpy as np
 
-from orchestrator.scheduling import scheduler as sch
-from orchestrator.run.eval import run_evaluations
 from orchestrator.observe.logging import get_logger
+from orchestrator.observe.progress import StepLine
+from orchestrator.run.episodes import episode_rollout
+from orchestrator.run.eval import run_evaluations
 from orchestrator.run.fleet_keeper import FleetKeeper
 from orchestrator.run.guard import ProgressGuard
-from orchestrator.run.episodes import episode_rollout
-from orchestrator.run.records import InFlight, consumption_record, request_id, reward_components, settled
-from orchestrator.observe.progress import StepLine
 from orchestrator.run.recording import RolloutContext, build_rollout_record
+from orchestrator.run.records import InFlight, consumption_record, request_id, reward_components, settled
 from orchestrator.run.resume import JournalEntry
+from orchestrator.scheduling import scheduler as sch
 from orchestrator.scoring.outcome import ScoreFailed
 from orchestrator.trainer.link import Batch, Failed, Sample, StepDone
 

@@ -19,19 +19,19 @@ that was not observed is absent, never a default.
 from __future__ import annotations
 
 import hashlib
-import sys
 import json
 import queue
+import sys
 import threading
+from array import array
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import anyio
-from array import array
 
-from orchestrator.observe.logging import get_logger
 from orchestrator.fleet.rollouts import FleetCompletion
+from orchestrator.observe.logging import get_logger
 from orchestrator.scheduling.scheduler import Terminal
 from replay.log import FsyncPolicy, ReplayLog
 from replay.records import (

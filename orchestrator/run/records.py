@@ -7,9 +7,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from orchestrator.scheduling import scheduler as sch
 from orchestrator.run.recording import RolloutContext, build_rollout_record
 from orchestrator.run.resume import CRASHED, JournalEntry
+from orchestrator.scheduling import scheduler as sch
 from orchestrator.trainer.link import StepDone
 
 

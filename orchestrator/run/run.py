@@ -25,13 +25,13 @@ from pathlib import Path
 import anyio
 import msgspec
 
-from orchestrator.scheduling import scheduler as sch
 from orchestrator.config.run import RunConfig
 from orchestrator.errors import ConfigError, InflightError
 from orchestrator.observe.logging import get_logger
-from orchestrator.run.preflight import check_model_paths, finished_steps
 from orchestrator.observe.progress import Progress, ProgressState, summary
+from orchestrator.run.preflight import check_model_paths, finished_steps
 from orchestrator.run.startup import StartupClock
+from orchestrator.scheduling import scheduler as sch
 from transports.engine_signals import ENGINE_CHILD_ENV
 
 log = get_logger(__name__)
@@ -94,17 +94,18 @@ class Run:
 
     # -- the whole run -------------------------------------------------------------------------
     async def main(self) -> int:
-        from orchestrator.run.loop import RunLoop
         from orchestrator.reaper import Reaper
+        from orchestrator.run.loop import RunLoop
 
         if self.resume and self._already_finished():
             return 0
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.state = "starting"
+        self.run_id = self._run_id()
+        self.cluster = self._cluster_side()  # before the HTTP server, which listens at its node's address
         self._start_http()  # before any engine: a port in use fails here, named
         if not self.resume:
             (self.run_dir / CONFIG_FILE).write_bytes(msgspec.json.format(msgspec.json.encode(self.config)))
-        self.run_id = self._run_id()
         self.loop = RunLoop(self)
         # Every process started from here on dies with the run, even when this one is SIGKILLed.
         self.reaper = Reaper.start()
@@ -183,6 +184,15 @@ class Run:
         with anyio.move_on_after(linger):
             await self._linger_over.wait()  # set by `_interrupts` on SIGINT or SIGTERM
 
+    def _cluster_side(self):
+        """With `[cluster]`, the run's side of it (engines and trainer nodes placed by Ray,
+        docs/cluster.md): its address is known now, the cluster joined only when engines are placed."""
+        if self.config.cluster is None:
+            return None
+        from orchestrator.run.cluster import ClusterSide
+
+        return ClusterSide(self.config.cluster, self.run_id)
+
     def _run_id(self) -> str:
         path = self.run_dir / "run_id"
         if path.exists():
@@ -194,8 +204,8 @@ class Run:
     async def _setup(self) -> list:
         from orchestrator.engines import make_engine
         from orchestrator.fleet.adapters import probe_targets
-        from orchestrator.observe.metrics import RunMetrics
         from orchestrator.model import ensure_model
+        from orchestrator.observe.metrics import RunMetrics
         from orchestrator.run.recording import Recorder, policy_identity
         from orchestrator.run.resume import DispatchJournal
         from orchestrator.scoring.scorer import make_scorer
@@ -230,10 +240,6 @@ class Run:
         self.evaluator = await self._evaluator(model_dir)
         self.progress.state.status = "starting the trainer and engines"
         self.progress.refresh()
-        if config.cluster is not None:  # engines and trainer nodes placed by Ray (docs/cluster.md)
-            from orchestrator.run.cluster import ClusterSide
-
-            self.cluster = ClusterSide(config.cluster, self.run_id)
         self.trainer = TrainerProcess(config, self.run_dir, model_dir, resume=self.resume,
                                       rendezvous=self.cluster and self.cluster.rendezvous())
         engine_configs = [(engine_id, msgspec.structs.replace(engine_config, model=model_dir,
@@ -406,10 +412,8 @@ class Run:
             return
         app = build_app(self._live_stats, self._live_metrics, self._health)
         host = self.config.http.host
-        if self.config.cluster is not None:  # the engines on other hosts pull versions from it
-            from orchestrator.run.cluster import ClusterSide
-
-            host = ClusterSide.http_host(self.config.cluster, host)
+        if self.cluster is not None:  # the engines on other hosts pull versions from it
+            host = self.cluster.http_host(host)
         self.http = HttpServer(app, host, self.config.http.port, self.run_dir)
         try:
             self.http_socket = self.http.bind()
@@ -521,8 +525,8 @@ def _make_fleet(engines, config: RunConfig, weights_root: str):
     """The run's fleet: a LoRA run's versions are adapters (the `adapter` strategy: requests name
     them, nothing pauses; "drain": a request ends on the weights it began with, here without
     waiting for it); other runs activate as `[activation]` says."""
-    from orchestrator.fleet.fleet import Fleet
     from orchestrator.fleet.adapters import AdapterStore
+    from orchestrator.fleet.fleet import Fleet
 
     lora = config.trainer.lora
     if lora is None:

@@ -38,8 +38,8 @@ from collections.abc import Callable, Sequence
 import anyio
 
 from orchestrator.errors import ConfigError, InflightError, ModelError
-from orchestrator.scoring.worker import FRAME, READ_SIZE
 from orchestrator.scoring.outcome import REWARD_ERROR, REWARD_TIMEOUT, ScoreFailed, one_line
+from orchestrator.scoring.worker import FRAME, READ_SIZE
 
 START_TIMEOUT_S = 600.0  # a builder may read a dataset and load a tokenizer
 STOP_GRACE_S = 2.0  # an idle worker exits on its job pipe's EOF within this

@@ -28,8 +28,8 @@ from collections.abc import Callable
 
 import anyio
 
-from orchestrator.tasks.agent_endpoint import EPISODE_HEADER, SAMPLING_FIELDS, AgentEndpoint
 from orchestrator.errors import ConfigError
+from orchestrator.tasks.agent_endpoint import EPISODE_HEADER, SAMPLING_FIELDS, AgentEndpoint
 from orchestrator.tasks.base import call_maybe_async
 from orchestrator.tasks.env import DONE, Episode, Sampler
 

@@ -152,8 +152,8 @@ def agent_task(run_fn, tokenizer, config: TaskConfig, *, where: str, scan: bool,
                source=None) -> EpisodeTask:
     """The EpisodeTask of an agent `run(client, row)` (docs/agents.md): its endpoint is built
     here; `inflight run` serves it (orchestrator/run/run.py)."""
-    from orchestrator.tasks.agent_endpoint import AgentEndpoint
     from orchestrator.tasks.agent import AgentEpisodes
+    from orchestrator.tasks.agent_endpoint import AgentEndpoint
     from transports.http_common import new_token
 
     if config.rewards:

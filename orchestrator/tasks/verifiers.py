@@ -29,8 +29,8 @@ import importlib.util
 import math
 from collections.abc import Sequence
 
-from orchestrator.tasks.agent_endpoint import MODEL_NAME
 from orchestrator.errors import ConfigError
+from orchestrator.tasks.agent_endpoint import MODEL_NAME
 
 FIELD = "task.args.env"
 

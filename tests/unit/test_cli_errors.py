@@ -143,6 +143,23 @@ def test_an_http_port_in_use_exits_2_naming_http_port_before_anything_starts(tmp
     assert not (tmp_path / "run" / "config.json").exists()
 
 
+def test_an_http_port_in_use_with_a_cluster_still_fails_before_anything_starts(tmp_path):
+    """With `[cluster]` the server listens at the node's cluster address (loopback here); the port is
+    still bound first: the run names it, never reaching the (absent) Ray cluster."""
+    from tests.helpers import free_port
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        config = write(tmp_path / "run.toml", f'[engine]\nmodel = "{tmp_path / "model"}"\n[http]\nport = {port}\n'
+                                              f'[cluster]\naddress = "127.0.0.1:{free_port()}"\n')
+        out = inflight("run", str(config), "--run-dir", str(tmp_path / "run"))
+    line = assert_one_named_error(out, "http.port", f"127.0.0.1:{port}")
+    assert "cluster" not in line
+    assert not (tmp_path / "model").exists() and not (tmp_path / "run" / "config.json").exists()
+
+
 # -- resume ----------------------------------------------------------------------------------
 def stored_run(run_dir: Path, config: RunConfig, steps_done: int) -> Path:
     """A run directory as a finished run leaves it: its config, a checkpoint per step (only the

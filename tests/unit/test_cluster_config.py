@@ -78,3 +78,20 @@ def test_node_0_and_the_other_nodes_run_one_torchrun_at_one_rendezvous(tmp_path)
     sent = msgspec.json.decode(argv[argv.index("--config-json") + 1].encode(), type=RunConfig).validate()
     assert sent == trainer.config
     assert json.loads(argv[argv.index("--config-json") + 1])["trainer"]["torchrun_args"][1] == "--node-rank=0"
+
+
+def test_the_run_listens_and_joins_at_one_address_of_this_host():
+    """The node's address is worked out once: the HTTP server listens there instead of on loopback
+    (other hosts pull versions from it), engine workers are sent there, Ray is told it."""
+    from orchestrator.run.cluster import ClusterSide
+
+    named = convert({"cluster": {**CLUSTER, "node_ip": "10.213.0.2"}}, RunConfig, "").validate().cluster
+    side = ClusterSide(named, "run-a")
+    assert [side.http_host(h) for h in ("127.0.0.1", "localhost", "::1")] == ["10.213.0.2"] * 3
+    assert side.http_host("0.0.0.0") == "0.0.0.0"  # every address: the configured host stands
+    assert side.pull("http://0.0.0.0:8123")["url"] == "http://10.213.0.2:8123"
+    assert side.placement.node_ip == "10.213.0.2"
+    # unnamed: this host's address on the route to the Ray head (loopback here: nothing is sent)
+    routed = ClusterSide(convert({"cluster": {"address": "127.0.0.1:6379"}}, RunConfig, "").validate().cluster, "b")
+    assert routed.node_ip == routed.placement.node_ip == routed.http_host("127.0.0.1") == "127.0.0.1"
+    routed.placement.close()  # never joined: nothing to leave, whether or not Ray is installed

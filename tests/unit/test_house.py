@@ -8,55 +8,14 @@ imports under `if TYPE_CHECKING:` are left out, since they never run."""
 
 from __future__ import annotations
 
-import ast
 import re
 from pathlib import Path
 
-from tests.unit.test_transports_imports import _is_type_checking, find_cycles
+from tests.unit.import_scan import find_cycles, imports_of
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("orchestrator", "replay", "transports")
 GROUND = "ground"
-
-
-def _literal_import(node: ast.Call) -> str | None:
-    """`__import__("a.b", ...)` or `importlib.import_module("a.b")` / `import_module("a.b")`."""
-    func = node.func
-    name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
-    if name in ("__import__", "import_module") and node.args and isinstance(node.args[0], ast.Constant) \
-            and isinstance(node.args[0].value, str):
-        return node.args[0].value
-    return None
-
-
-def imports_of(path: Path, modules: set[str]) -> set[str]:
-    out: set[str] = set()
-
-    def add(name: str) -> None:
-        while name and name not in modules:  # `from pkg.mod import Name` names pkg.mod
-            name = name.rpartition(".")[0]
-        if name:
-            out.add(name)
-
-    def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node):
-            for child in node.orelse:
-                visit(child)
-            return
-        if isinstance(node, ast.Import):
-            for alias in node.names:
-                add(alias.name)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            for alias in node.names:  # `from orchestrator.run import loop` names a module
-                sub = f"{node.module}.{alias.name}"
-                add(sub if sub in modules else node.module)
-        elif isinstance(node, ast.Call) and (name := _literal_import(node)):
-            add(name)
-        for child in ast.iter_child_nodes(node):
-            visit(child)
-
-    visit(ast.parse(path.read_text(), str(path)))
-    return out
 
 
 def module_name(path: Path) -> str:

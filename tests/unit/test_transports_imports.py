@@ -1,11 +1,13 @@
 """No import circle within `transports/`: every import of a `transports.*` module counts, at
-module level or inside a function (a lazy import is still a circle), except those under
-`if TYPE_CHECKING:`, which never run."""
+module level, inside a function (a lazy import is still a circle) or by a literal name, except those
+under `if TYPE_CHECKING:`, which never run (`tests.unit.import_scan`)."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
+
+from tests.unit.import_scan import find_cycles, imports_of
 
 PACKAGE = Path(__file__).resolve().parents[2] / "transports"
 
@@ -17,84 +19,26 @@ def module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
-def imports_of(path: Path, modules: set[str]) -> set[str]:
-    """The modules of `modules`' packages that `path` imports at run time (in functions too)."""
-    out: set[str] = set()
-    tops = {m.split(".")[0] for m in modules}
-
-    def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node):
-            for child in node.orelse:
-                visit(child)
-            return
-        if isinstance(node, ast.Import):
-            for alias in node.names:
-                if alias.name.split(".")[0] in tops:
-                    out.add(alias.name)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            if node.module.split(".")[0] in tops:
-                for alias in node.names:  # `from transports import cli` names a module
-                    sub = f"{node.module}.{alias.name}"
-                    out.add(sub if sub in modules else node.module)
-        for child in ast.iter_child_nodes(node):
-            visit(child)
-
-    visit(ast.parse(path.read_text(), str(path)))
-    return {m for m in out if m in modules and m not in tops}
-
-
 def import_graph(*packages: str) -> dict[str, set[str]]:
     roots = [PACKAGE.parent / name for name in packages] or [PACKAGE]
     files = {module_name(p): p for root in roots for p in root.rglob("*.py")}
-    modules = set(files)
+    modules = set(files) - {root.name for root in roots}  # a bare `import transports` is no edge
     return {name: imports_of(path, modules) - {name} for name, path in files.items()}
-
-
-def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Every strongly connected component with more than one module (Tarjan)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    out: list[list[str]] = []
-    counter = [0]
-
-    def strong(v: str) -> None:
-        index[v] = low[v] = counter[0]
-        counter[0] += 1
-        stack.append(v)
-        on_stack.add(v)
-        for w in sorted(graph.get(v, ())):
-            if w not in index:
-                strong(w)
-                low[v] = min(low[v], low[w])
-            elif w in on_stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            component = []
-            while True:
-                w = stack.pop()
-                on_stack.discard(w)
-                component.append(w)
-                if w == v:
-                    break
-            if len(component) > 1:
-                out.append(sorted(component))
-
-    for v in sorted(graph):
-        if v not in index:
-            strong(v)
-    return out
 
 
 def test_the_checker_finds_a_circle():
     assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_the_scan_names_modules_not_packages_or_names(tmp_path):
+    """`from transports import cli` names a module, `from transports.base import X` its module, a
+    bare `import transports` nothing; lazy and literal imports count, TYPE_CHECKING ones do not."""
+    src = tmp_path / "m.py"
+    src.write_text("import transports\nfrom transports import cli\nfrom transports.base import TransportError\n"
+                   "if TYPE_CHECKING:\n    import transports.swap\n"
+                   "def f():\n    import transports.wire\n    __import__('transports.pull')\n")
+    modules = set(import_graph()) - {"transports"}  # as `import_graph` scans: the bare package is no module
+    assert imports_of(src, modules) == {"transports.cli", "transports.base", "transports.wire", "transports.pull"}
 
 
 def test_no_import_circle_within_transports():
