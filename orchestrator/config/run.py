@@ -409,10 +409,23 @@ def check_cluster(config: RunConfig) -> None:
 def check_lora(config: RunConfig) -> None:
     """A LoRA run's versions are adapters that requests name: nothing is swapped, so the
     strategies that prepare a second copy of the model do not apply."""
-    if config.trainer.lora is not None and config.activation.strategy != "pause_swap":
+    if config.trainer.lora is None:
+        return
+    if config.activation.strategy != "pause_swap":
         raise ConfigError("activation.strategy",
                           f"{config.activation.strategy!r} swaps full weights; with trainer.lora each version is an "
                           "adapter loaded beside the serving ones and activated with no pause: leave the default")
+    if config.activation.kv_policy != "recompute":
+        raise ConfigError("activation.kv_policy",
+                          f"{config.activation.kv_policy!r} does not apply with trainer.lora: a request runs on the "
+                          "adapter it named from its first token to its last (nothing is swapped under it): leave "
+                          "the default")
+    # What [trainer.lora] sets on every engine: a value of one's own would be silently replaced.
+    defaults = EngineConfig()
+    for name in ("max_lora_rank", "max_loras"):
+        if getattr(config.engine, name) != getattr(defaults, name):
+            raise ConfigError(f"engine.{name}", f"set from [trainer.lora] (trainer.lora.rank, trainer.lora.max_loras): "
+                                                f"remove it from [engine]")
 
 
 def check_publish_cadence(trainer: TrainerConfig, scheduler: SchedulerConfig) -> None:

@@ -93,3 +93,15 @@ def test_stats_show_the_runs_fleet_history_and_skip_a_torn_line(tmp_path):
     (tmp_path / "fleet.jsonl").write_text('{"engine": "engine-2", "state": "joining"}\n{"engine": "engine-2", '
                                           '"state": "serving"}\n{"torn')
     assert [h["state"] for h in fleet_history(tmp_path)] == ["joining", "serving"]
+
+
+@pytest.mark.parametrize("extra,field", [
+    ('[activation]\nkv_policy = "keep"\n', "activation.kv_policy"),
+    ("[engine]\nmax_lora_rank = 32\n", "engine.max_lora_rank"),
+    ("[engine]\nmax_loras = 4\n", "engine.max_loras"),
+])
+def test_a_knob_that_trainer_lora_replaces_is_refused_naming_it(extra, field):
+    """#30: every knob takes effect or is refused naming the one that wins."""
+    with pytest.raises(ConfigError) as refused:
+        _load("[trainer.lora]\nrank = 8\n" + extra)
+    assert refused.value.field == field and "lora" in refused.value.reason
