@@ -43,8 +43,10 @@ class TaskConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_prompt_tokens: int | None = None
     # [{fn = "exact"|"math"|"regex"|"package.module:function", weight = 1.0, ...}], summed by weight.
     rewards: list[dict[str, object]] = []
-    # false: the prompt text is tokenized as is (a model without a chat template).
-    chat_template: bool = True
+    # true: the model's chat template; false: the prompt text is tokenized as is (a model without a
+    # chat template); a path: the Jinja template in that file renders every prompt and turn (e.g.
+    # a prefix-preserving variant of a thinking template, for a multi-turn task).
+    chat_template: bool | str = True
     # Each scoring call (every reward function of one completion) is bounded by this.
     score_timeout_s: float = 30.0
     # Scoring runs off the event loop, in this many worker processes or threads (score_pool).
@@ -83,6 +85,9 @@ class TaskConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ConfigError("task.agent", f"must be 'package.module:function', got {self.agent!r}")
         if not self.agent_timeout_s > 0:
             raise ConfigError("task.agent_timeout_s", f"must be > 0, got {self.agent_timeout_s}")
+        if isinstance(self.chat_template, str) and not self.chat_template.strip():
+            raise ConfigError("task.chat_template", "true (the model's template), false (none) or the path of a "
+                                                    "Jinja template file, got an empty string")
         if self.score_workers < 1:
             raise ConfigError("task.score_workers", f"must be >= 1, got {self.score_workers}")
         for i, spec in enumerate(self.rewards):

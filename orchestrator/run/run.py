@@ -229,14 +229,15 @@ class Run:
         self.search_path = run_search_path(self.run_dir, getattr(self, "config_path", None))
         with self.startup.phase("task"):
             self.task = await anyio.to_thread.run_sync(lambda: make_task(
-                config.task, model_dir, search_path=self.search_path))
+                config.task, model_dir, search_path=self.search_path, sampling=self.sampling))
         self._serve_agent_endpoint()
         # A multi-turn task's reward is its episode's: no scoring pool to start.
         pool = "thread" if getattr(self.task, "episodic", False) else config.task.scoring_pool
         self.scorer = make_scorer(self.task, pool=pool, workers=config.task.score_workers,
                                   timeout_s=config.task.score_timeout_s,
                                   builder=functools.partial(make_task, config.task, model_dir,
-                                                            search_path=self.search_path, scoring_only=True))
+                                                            search_path=self.search_path, scoring_only=True,
+                                                            sampling=self.sampling))
         self.evaluator = await self._evaluator(model_dir)
         self.progress.state.status = "starting the trainer and engines"
         self.progress.refresh()

@@ -76,8 +76,15 @@ class Task(abc.ABC):
         return self.encode_messages([{"role": "user", "content": text}])
 
     def encode_messages(self, messages: list[dict]) -> tuple[int, ...]:
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                 return_dict=False)
+        """The chat-templated prompt's ids; a template that raises is a TemplateError naming
+        `<where>.chat_template` with its own message (rows are encoded at start: the run stops
+        there, one line)."""
+        from orchestrator.tasks.templates import template_errors, template_source
+
+        field = f"{getattr(self, 'where', 'task')}.chat_template"
+        with template_errors(field, template_source(self.config.chat_template), messages):
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                     return_dict=False)
         return tuple(int(t) for t in ids)
 
     def decode(self, token_ids: Sequence[int]) -> str:

@@ -205,10 +205,8 @@ def _step_result(value) -> tuple[list[dict], float | None, bool]:
 
 
 def _reply_text(renderer: TurnRenderer, token_ids: Sequence[int]) -> str:
-    ids = list(token_ids)
-    if ids and renderer.eos_id is not None and ids[-1] == renderer.eos_id:
-        ids = ids[:-1]
-    return renderer.decode(ids)
+    """The reply's text, without the stop token that ended it (any the engine stops on)."""
+    return renderer.decode(renderer.reply_ids(token_ids))
 
 
 class ToolEnvironment(Environment):

@@ -13,8 +13,9 @@ its `step_timeout_s`: a step past it is cancelled there and its episode ends
 (`environment_timeout`); the run goes on. An async environment that declares `on_loop = True`
 (it never blocks) runs on the run's loop instead, bounded the same way.
 
-The chat template is checked at start: one that is not prefix-preserving is refused
-(`turns.TemplateError`, naming `task.chat_template`), before any engine starts.
+The chat template is checked at start, before any engine starts, with the roles the task sends
+(a tool message only for an environment with tools): one that is not prefix-preserving, or that
+raises on what the task sends, is refused (`turns.TemplateError`, naming `task.chat_template`).
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ import anyio
 from orchestrator.config.run import TaskConfig
 from orchestrator.errors import ConfigError
 from orchestrator.tasks.base import Prompt
-from orchestrator.tasks.env import Environment, Episode, Sampler, run_episode
+from orchestrator.tasks.env import Environment, Episode, Sampler, ToolEnvironment, run_episode
 from orchestrator.tasks.env_thread import EnvironmentThread
 from orchestrator.tasks.rows import RowTask
+from orchestrator.tasks.templates import template_source
 from orchestrator.tasks.turns import TurnRenderer
 
 def is_environment(made) -> bool:
@@ -121,10 +123,13 @@ class EpisodeTask(RowTask):
         raise TypeError("a multi-turn task is scored by its episodes (run_episode), not score()")
 
 
-def environment_task(made, tokenizer, config: TaskConfig, *, where: str, scan: bool, load_rows) -> EpisodeTask:
+def environment_task(made, tokenizer, config: TaskConfig, *, where: str, scan: bool, load_rows,
+                     stop_ids=None) -> EpisodeTask:
     """The EpisodeTask of an environment a factory returned; `load_rows(path, field)` reads
-    `task.dataset` when the environment has no rows of its own."""
-    renderer = checked_renderer(tokenizer, config, where)
+    `task.dataset` when the environment has no rows of its own; `stop_ids`: every token id the
+    engine ends a turn on (`templates.engine_stop_ids`)."""
+    sends, may_send = environment_roles(made)
+    renderer = checked_renderer(tokenizer, config, where, stop_ids=stop_ids, sends=sends, may_send=may_send)
     runner = EnvironmentEpisodes(made, renderer, where=where)
     name = config.id or getattr(made, "name", None) or config.task_id
     if callable(getattr(made, "row", None)):
@@ -138,27 +143,42 @@ def environment_task(made, tokenizer, config: TaskConfig, *, where: str, scan: b
                        where=where, scan=scan)
 
 
-def checked_renderer(tokenizer, config: TaskConfig, where: str) -> TurnRenderer:
-    """The episode's renderer, its template checked (prefix-preserving) now, at start."""
+def environment_roles(env) -> tuple[frozenset[str], frozenset[str]]:
+    """(the roles an environment sends, those it may send) besides user and assistant: a tool
+    message only when it has tools; a system message from a ToolEnvironment (its reset writes
+    one), maybe from any other (a template without a system role serves an environment that
+    never sends one)."""
+    sends = {"tool"} if getattr(env, "tools", None) else set()
+    if isinstance(env, ToolEnvironment):
+        sends.add("system")
+    return frozenset(sends), frozenset({"system"} - sends)
+
+
+def checked_renderer(tokenizer, config: TaskConfig, where: str, *, stop_ids=None, sends=(),
+                     may_send=("system", "tool")) -> TurnRenderer:
+    """The episode's renderer, its template checked now, at start: prefix-preserving for the
+    roles the task `sends` (and those it `may_send`, where the template renders them)."""
     if not config.chat_template:
         raise ConfigError(f"{where}.chat_template", "a multi-turn task renders its turns with the chat template: "
                                                     "chat_template = false cannot be used with it")
-    renderer = TurnRenderer(tokenizer, field=f"{where}.chat_template")
-    renderer.check_prefix_preserving()
+    renderer = TurnRenderer(tokenizer, field=f"{where}.chat_template", source=template_source(config.chat_template),
+                            stop_ids=stop_ids)
+    renderer.check_prefix_preserving(sends, may_send)
     return renderer
 
 
 def agent_task(run_fn, tokenizer, config: TaskConfig, *, where: str, scan: bool, rows: list[dict] | None = None,
-               source=None) -> EpisodeTask:
+               source=None, stop_ids=None) -> EpisodeTask:
     """The EpisodeTask of an agent `run(client, row)` (docs/agents.md): its endpoint is built
-    here; `inflight run` serves it (orchestrator/run/run.py)."""
+    here; `inflight run` serves it (orchestrator/run/run.py). An agent's messages are its own:
+    system and tool messages are probed where the template renders them."""
     from orchestrator.tasks.agent import AgentEpisodes
     from orchestrator.tasks.agent_endpoint import AgentEndpoint
     from transports.http_common import new_token
 
     if config.rewards:
         raise ConfigError(f"{where}.rewards", "an agent's reward is what its run(client, row) returns; remove rewards")
-    renderer = checked_renderer(tokenizer, config, where)
+    renderer = checked_renderer(tokenizer, config, where, stop_ids=stop_ids)
     endpoint = AgentEndpoint(renderer, token=new_token())
     holder: list[EpisodeTask] = []
 

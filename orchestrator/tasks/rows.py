@@ -17,6 +17,7 @@ from orchestrator.config.run import TaskConfig
 from orchestrator.errors import ConfigError
 from orchestrator.observe.logging import get_logger
 from orchestrator.tasks.base import Prompt, Task, TaskExhausted, call_maybe_async
+from orchestrator.tasks.templates import TemplateError
 
 log = get_logger(__name__)
 
@@ -163,7 +164,10 @@ class RowTask(Task):
         if not self.config.chat_template:
             return tuple(int(t) for t in self.tokenizer.encode(self._prompt_field(row, number),
                                                                add_special_tokens=False))
-        return self.encode_messages(self._messages(row, number))
+        try:
+            return self.encode_messages(self._messages(row, number))
+        except TemplateError as exc:  # which row the template refused, for a row-dependent refusal
+            raise type(exc)(exc.field, f"row {number}: {exc.reason}") from None
 
     def _prompt_text(self, row: dict) -> str:
         c = self.config

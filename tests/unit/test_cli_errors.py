@@ -129,6 +129,19 @@ def test_a_model_directory_refused_during_set_up_exits_2_with_one_line(tmp_path)
     assert "engine.starting" not in events(tmp_path / "run")
 
 
+def test_a_chat_template_that_raises_exits_2_with_the_field_and_its_message_before_engines_start(tmp_path):
+    """The template is checked where the task is built, before any engine or trainer starts: its
+    own message on one line, never a jinja2 traceback."""
+    template = write(tmp_path / "strict.jinja", "{{ raise_exception('no ' + messages[0]['role'] + ' turns here') }}")
+    model = Path(__file__).resolve().parents[2] / "models" / "tiny-rl"
+    config = write(tmp_path / "run.toml", f'[engine]\nmodel = "{model}"\n[task]\nchat_template = "{template}"\n'
+                                          '[run]\nprogress = "plain"\n')
+    out = inflight("run", str(config), "--run-dir", str(tmp_path / "run"))
+    assert_one_named_error(out, "task.chat_template", "no user turns here", str(template))
+    assert "jinja2" not in out.stderr
+    assert "engine.starting" not in events(tmp_path / "run")
+
+
 def test_an_http_port_in_use_exits_2_naming_http_port_before_anything_starts(tmp_path):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
