@@ -5,8 +5,10 @@ The real `RunLoop` and its fleet keeper drive 16 fake engines (`fake_engine` of
 flight; a 17th joins the way `inflight fleet add` brings one in (`FleetKeeper._enter`: into the
 fleet fenced, the live version staged beside the others' generation, the switch under the
 activation lock, then rollouts). The joiner's staging RPCs (stage, status) take JOIN_RPC_S each
-(its transfer), so the catch-up is long enough to watch the others; its switch is instant, as a
-staged copy's is.
+(its transfer: about half a trainer step of STEP_S), so the catch-up is long enough to watch the
+others; its switch is instant, as a staged copy's is. A joiner whose transfer outlasts a step
+finds a newer version live each time it is done; after PRESTAGE_ROUNDS it stages under the
+activation lock, costing one activation that wait.
 
 * `join_to_first_rollout_s`: from the join's start to the joiner's first finished rollout.
 * `catch_up_s`: from the join's start to the joiner serving (the live version switched in).
@@ -29,7 +31,8 @@ ENGINES = 16
 CONCURRENCY = 256
 JOIN_RPC_S = 0.25  # each swap RPC of the joiner: its transfer and status polls
 CHUNK_DELAY_S = 0.005
-WARM_S = 5.0  # the fake engines' stream: a chunk of 16 tokens every 5 ms
+WARM_S = 5.0
+STEP_S = 1.0  # the fake trainer's step: a version goes live about every second  # the fake engines' stream: a chunk of 16 tokens every 5 ms
 
 
 async def join_to_first_rollout(run_cls, make_engine, engines: int = ENGINES, concurrency: int = CONCURRENCY) -> dict:
@@ -39,6 +42,7 @@ async def join_to_first_rollout(run_cls, make_engine, engines: int = ENGINES, co
         run = run_cls(Path(tmp), concurrency, 10**7, engines=engines, chunk_delay_s=CHUNK_DELAY_S)
         loop = RunLoop(run)
         run.loop = loop
+        run.trainer.step_s = STEP_S
         await run.fleet.setup("{}", tmp)  # the transport a joiner's swap_init repeats
         activations: list[tuple[float, float]] = []  # (ended at, seconds)
         real_activate = run.fleet.activate
@@ -57,7 +61,7 @@ async def join_to_first_rollout(run_cls, make_engine, engines: int = ENGINES, co
             async with anyio.create_task_group() as tg:
                 tg.start_soon(loop.main, run.scheduler.start())
                 with anyio.fail_after(300):
-                    while run.scheduler.done_steps < 3:
+                    while run.scheduler.done_steps < 2:
                         await anyio.sleep(0.05)
                 await anyio.sleep(WARM_S)  # the window before the join is the steady state
                 joiner = make_engine(f"fake-{engines}", chunk_delay_s=CHUNK_DELAY_S, swap_delay_s=JOIN_RPC_S,

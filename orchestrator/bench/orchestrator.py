@@ -140,10 +140,11 @@ def fake_engine(engine_id: str, tokens: int = TOKENS, chunk_delay_s: float = 0.0
 class InstantTrainer:
     """Answers every batch at once with a StepDone (advantages etc. left empty: not measured)."""
 
-    def __init__(self) -> None:
+    def __init__(self, step_s: float = 0.0) -> None:
         self.send_stream, self.recv_stream = anyio.create_memory_object_stream(100)
         self.alive = True
         self.process = None
+        self.step_s = step_s  # > 0: each step takes this long (a version every step_s at most)
 
     @property
     def link(self):
@@ -152,6 +153,8 @@ class InstantTrainer:
     async def send(self, batch, timeout_s: float = 30.0) -> None:
         from orchestrator.trainer.link import StepDone
 
+        if self.step_s:
+            await anyio.sleep(self.step_s)
         await self.send_stream.send(StepDone(step=batch.step, version=batch.step, loss=0.0, reward_mean=1.0,
                                              metrics={}, seconds=0.0,
                                              rollout_ids=[s.rollout_id for s in batch.samples],
