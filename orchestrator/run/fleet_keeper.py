@@ -97,11 +97,14 @@ class FleetKeeper:
         if engine is not None and not await engine.healthy():
             self.engine_lost(engine_id, self.fleet.members[engine_id].why or "fenced, not answering")
 
+    def _running(self) -> None:
+        if self._tg is None:
+            raise FleetRefused(503, "run", "the run is starting or stopping: try again")
+
     async def _in_group(self, work: Callable[[], Awaitable[dict]]) -> dict:
         """Run `work` in the keeper's task group (a client that hangs up must not cancel a join
         half done) and wait for its answer."""
-        if self._tg is None:
-            raise FleetRefused(503, "run", "the run is starting or stopping: try again")
+        self._running()
         done, box = anyio.Event(), {}
 
         async def runner() -> None:
@@ -142,9 +145,14 @@ class FleetKeeper:
 
     # -- join --------------------------------------------------------------------------------
     async def add_url(self, url: str) -> dict:
-        parts = urlsplit(url or "")
-        if parts.scheme not in ("http", "https") or not parts.hostname or parts.port is None and not parts.netloc:
+        try:
+            parts = urlsplit(url or "")
+            parts.port  # noqa: B018 - raises on a port that is not a number
+        except ValueError as exc:
+            raise FleetRefused(400, "url", f"must be an engine server's http(s)://host:port, got {url!r}: {exc}") from None
+        if parts.scheme not in ("http", "https") or not parts.hostname:
             raise FleetRefused(400, "url", f"must be an engine server's http(s)://host:port, got {url!r}")
+        self._running()
         url = url.rstrip("/")
         for m in self.fleet.members.values():
             if m.url == url and m.state not in ("left", "lost", "refused"):
@@ -154,11 +162,15 @@ class FleetKeeper:
         self.joining_urls.add(url)
         engine_id = self.fleet.new_engine_id(reserved=self.busy)
         self.busy.add(engine_id)  # reserved at once: a second join at the same time gets another id
-        try:
-            return await self._in_group(lambda: self._join_url(url, engine_id))
-        finally:
-            self.joining_urls.discard(url)
-            self.busy.discard(engine_id)
+
+        async def join() -> dict:
+            try:
+                return await self._join_url(url, engine_id)
+            finally:  # released by the join itself: a client that hangs up does not end it
+                self.joining_urls.discard(url)
+                self.busy.discard(engine_id)
+
+        return await self._in_group(join)
 
     async def _join_url(self, url: str, engine_id: str) -> dict:
         from orchestrator.engines.server import ServerEngine
@@ -224,7 +236,8 @@ class FleetKeeper:
             raise FleetRefused(409, "engine", f"{engine_id} is already {m.state}")
         if self.fleet.coordinator.serving == (engine_id,):
             raise FleetRefused(409, "engine", f"{engine_id} is the only engine serving: add one first")
-        self.busy.add(engine_id)
+        self._running()
+        self.busy.add(engine_id)  # released by `_leave`, in the keeper's group
         return await self._in_group(lambda: self._leave(engine_id, why))
 
     async def _leave(self, engine_id: str, why: str) -> dict:

@@ -105,3 +105,15 @@ def test_a_knob_that_trainer_lora_replaces_is_refused_naming_it(extra, field):
     with pytest.raises(ConfigError) as refused:
         _load("[trainer.lora]\nrank = 8\n" + extra)
     assert refused.value.field == field and "lora" in refused.value.reason
+
+
+def test_a_join_url_that_is_not_one_is_refused_naming_url():
+    import anyio
+
+    from orchestrator.run.fleet_keeper import FleetKeeper, FleetRefused
+
+    keeper = FleetKeeper.__new__(FleetKeeper)  # its URL check needs no run
+    for url in ("ftp://a:1", "http://", "http://a:notaport", ""):
+        with pytest.raises(FleetRefused) as refused:
+            anyio.run(keeper.add_url, url)
+        assert refused.value.field == "url" and refused.value.status == 400
