@@ -164,8 +164,11 @@ class ServerEngine(Engine):
         if launched:  # a server of our own serves the base model already: version 0
             await self.set_weight_version(0)
         elif self.config.worker_extension_cls:
-            if self.expect is not None:
-                await self._check_serves(str(Path(self.config.model).resolve()))
+            if self.expect is not None:  # a joiner: the field at fault is named, not the URL
+                try:
+                    await self._check_serves(str(Path(self.config.model).resolve()))
+                except ConfigError as exc:
+                    raise ConfigError("model", exc.reason) from None
                 await self.check_identity(self.expect)
             await self.reset_to_base()
 

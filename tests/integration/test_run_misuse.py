@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import msgspec
 import pytest
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
@@ -60,13 +61,15 @@ async def test_an_attached_server_is_reset_to_version_0_and_one_of_another_model
     assert again.token_ids == base.token_ids and set(again.versions) == {0}
 
 
-async def test_a_joining_server_that_serves_another_dtype_or_model_is_refused_naming_the_field(server_engine):
+async def test_a_joining_server_that_serves_another_dtype_or_model_is_refused_naming_the_field(server_engine,
+                                                                                             tmp_path):
     """What `inflight fleet add` checks before it touches a server (docs/fleet.md): the server's
     own workers report what they serve (`swap_identity`); the first field that differs from
     the run's engines is named, and the server is left as it was."""
     from orchestrator.config.run import EngineConfig
     from orchestrator.engines.server import ServerEngine
     from orchestrator.errors import ConfigError
+    from orchestrator.model import build_model
 
     server = server_engine
     mine = await server.identity()
@@ -80,6 +83,12 @@ async def test_a_joining_server_that_serves_another_dtype_or_model_is_refused_na
             await joiner.start()
         assert refused.value.field == field and repr(other) in str(refused.value)
         await joiner.shutdown()
+    other, _ = build_model(tmp_path / "other", preset="tiny", seed=1)
+    wrong = ServerEngine(msgspec.structs.replace(config, model=str(other)), "joiner", expect=mine)
+    with pytest.raises(ConfigError) as refused:
+        await wrong.start()
+    assert refused.value.field == "model" and str(other) in str(refused.value)
+    await wrong.shutdown()
     same = ServerEngine(config, "joiner", expect=mine)
     await same.start()  # the same identity: attached (and reset to version 0, as test above leaves it)
     await same.shutdown()
