@@ -17,17 +17,20 @@ TASKS: dict[str, type[Task]] = {"digits": DigitsTask, "length": LengthTask}
 
 
 def make_task(config: TaskConfig, model_dir: str, *, search_path: list[str] | None = None,
-              where: str = "task", tokenizer=None, scoring_only: bool = False) -> Task:
+              where: str = "task", tokenizer=None, scoring_only: bool = False, user_code=None) -> Task:
     """The configured task, with the tokenizer of the model the engines serve. Everything that
     can be checked (imports, the dataset, every row's prompt, the rewards) is checked here, so
     a mistake stops the run before any engine starts. `scoring_only`: for a scoring worker,
-    which gets each prompt's row with the completion: no dataset read, no row scanned."""
+    which gets each prompt's row with the completion: no dataset read, no row scanned.
+    `user_code`: the run's runner of a multi-turn task's calls into user code
+    (`tasks.user_code.UserCode`, its threads from scheduler.max_inflight; default: one of the
+    task's own)."""
     if tokenizer is None:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if config.agent is not None:
-        return _agent_task(config, tokenizer, where, search_path, scoring_only)
+        return _agent_task(config, tokenizer, where, search_path, scoring_only, user_code)
     if config.entrypoint is None and config.dataset is None:
         if config.name not in TASKS:
             raise ConfigError(f"{where}.name", f"unknown task {config.name!r}; choose one of {sorted(TASKS)}")
@@ -52,11 +55,13 @@ def make_task(config: TaskConfig, model_dir: str, *, search_path: list[str] | No
         if is_environment(made):
             from orchestrator.tasks.dataset import load_rows
 
-            return environment_task(made, tokenizer, config, where=where, scan=not scoring_only, load_rows=load_rows)
+            return environment_task(made, tokenizer, config, where=where, scan=not scoring_only, load_rows=load_rows,
+                                    user_code=user_code)
         if callable(getattr(made, "run", None)) and callable(getattr(made, "row", None)):
             from orchestrator.tasks.episodes import agent_task  # e.g. orchestrator.tasks.verifiers:make
 
-            return agent_task(made.run, tokenizer, config, where=where, scan=not scoring_only, source=made)
+            return agent_task(made.run, tokenizer, config, where=where, scan=not scoring_only, source=made,
+                              user_code=user_code)
         if callable(getattr(made, "row", None)):
             name = config.id or getattr(made, "name", None) or config.task_id
             return RowTask(tokenizer, config, name=str(name), source=made, rewards=rewards, where=where,
@@ -71,7 +76,8 @@ def make_task(config: TaskConfig, model_dir: str, *, search_path: list[str] | No
                    scan=not scoring_only)
 
 
-def _agent_task(config: TaskConfig, tokenizer, where: str, search_path: list[str] | None, scoring_only: bool):
+def _agent_task(config: TaskConfig, tokenizer, where: str, search_path: list[str] | None, scoring_only: bool,
+                user_code=None):
     """`task.agent`: the agent function, rows from `task.entrypoint` (a task object with row(),
     or a dataset) or `task.dataset`."""
     from orchestrator.tasks.dataset import load_rows, rows_of
@@ -84,14 +90,14 @@ def _agent_task(config: TaskConfig, tokenizer, where: str, search_path: list[str
         factory = load_callable(config.entrypoint, f"{where}.entrypoint", search_path)
         made = call_factory(factory, dict(config.args), where, tokenizer=tokenizer)
         if callable(getattr(made, "row", None)):
-            return agent_task(run_fn, tokenizer, config, where=where, scan=scan, source=made)
+            return agent_task(run_fn, tokenizer, config, where=where, scan=scan, source=made, user_code=user_code)
         rows = rows_of(made, f"{where}.entrypoint") if scan else []
-        return agent_task(run_fn, tokenizer, config, where=where, scan=scan, rows=rows)
+        return agent_task(run_fn, tokenizer, config, where=where, scan=scan, rows=rows, user_code=user_code)
     if config.dataset is None:
         raise ConfigError(f"{where}.dataset", "an agent needs rows (each episode's run(client, row) gets one): "
                                               "give task.dataset or task.entrypoint")
     rows = load_rows(config.dataset, f"{where}.dataset") if scan else []
-    return agent_task(run_fn, tokenizer, config, where=where, scan=scan, rows=rows)
+    return agent_task(run_fn, tokenizer, config, where=where, scan=scan, rows=rows, user_code=user_code)
 
 
 def _rewards(config: TaskConfig, where: str, search_path: list[str] | None):
