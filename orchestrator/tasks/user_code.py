@@ -148,13 +148,18 @@ class UserCode:
             outer.inner = what
         future = asyncio.run_coroutine_threadsafe(self.call(fn, *args, timeout_s=timeout_s, what=what), home)
         try:
-            return await asyncio.wrap_future(future)
-        except BaseException:
+            result = await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            # The outer call is cancelled (its timeout, say) while this one runs: `inner` stays
+            # set, so that the outer call's error, raised on the other loop, names this one.
             future.cancel()
             raise
-        finally:
-            if outer is not None:
-                outer.inner = None
+        except BaseException:
+            future.cancel()
+            _done_inside(outer)
+            raise
+        _done_inside(outer)
+        return result
 
     def _limiter(self, loop: asyncio.AbstractEventLoop) -> anyio.CapacityLimiter:
         limiter = self._limiters.get(loop)
@@ -170,6 +175,11 @@ class UserCode:
                 self._thread.start()
                 self._loop = loop
             return self._loop
+
+
+def _done_inside(outer: _Call | None) -> None:
+    if outer is not None:
+        outer.inner = None
 
 
 def current() -> UserCode:
