@@ -143,10 +143,11 @@ async def run_episode(env: Environment, renderer: TurnRenderer, sample: Sampler,
                       max_tokens_per_turn: int, *, call: EnvCall | None = None,
                       started: Callable[[Episode], None] | None = None, max_len: int | None = None) -> Episode:
     """One episode to its end (`Episode.ended`); `sample` runs one turn on an engine, `call`
-    runs the environment's `reset` and `step` (default: an async one on this loop, a plain one in
-    a worker thread, each bounded by `env.step_timeout_s`); `started(episode)` is told the episode once it exists (so a caller
-    can record what it holds if a later turn fails); `max_len` (the engines' context length)
-    lowers the environment's `max_episode_tokens` where it is smaller."""
+    runs the environment's `reset` and `step` (default: an async one on this loop, a plain one
+    in a worker thread, each bounded by `env.step_timeout_s`); `started(episode)` is told the
+    episode once it exists (so a caller can record what it holds if a later turn fails);
+    `max_len` (the engines' context length) lowers the environment's `max_episode_tokens`
+    where it is smaller."""
     limit = min(env.max_episode_tokens, max_len) if max_len else env.max_episode_tokens
     call = call or _on_this_loop(env.step_timeout_s)
     messages = _messages(await call(env.reset, row), "reset")

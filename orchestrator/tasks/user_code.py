@@ -102,7 +102,7 @@ class UserCode:
         if thread is not None:
             thread.join(5.0)
 
-    # -- the three places ----------------------------------------------------------------------
+    # -- where a call runs ----------------------------------------------------------------------
     async def _timed(self, call: _Call, timeout_s: float, running):
         # move_on_after, not fail_after: a TimeoutError the user's code raises itself is its own.
         with anyio.move_on_after(timeout_s):
@@ -269,7 +269,8 @@ def refuse_running_loop(what: str) -> None:
         asyncio.get_running_loop()
     except RuntimeError:
         return
-    raise RuntimeError(f"{what} is synchronous: call it in a worker thread, not on an event loop")
+    raise RuntimeError(f"{what} blocks until its async code is done: call it in a worker thread, "
+                       "not on an event loop")
 
 
 def call_in_thread(fn: Callable, *args, **kwargs):
