@@ -13,6 +13,9 @@
                                       re-synced to the live version (`Fleet.rejoin`)
     ClusterError (InflightError)      the cluster cannot place what the run asks for (`[cluster]`):
                                       names what was asked and what the cluster offers
+    UserCodeTimeout(what, timeout_s)  a call into the user's code (a tool, an environment's step,
+      (InflightError, TimeoutError)   a score, an agent) ran past its timeout; names the call
+                                      (`tasks/user_code.py`); it ends that episode, not the run
     ActivationError (InflightError)   an activation could not run at all (no engine serves);
                                       a failed activation itself is not an exception: it is
                                       recorded (`activation.Record`, outcome rolled_back,
@@ -72,3 +75,12 @@ class ActivationError(InflightError):
 
 class ClusterError(InflightError):
     """The cluster cannot place what the run asks for; names what was asked and what is offered."""
+
+
+class UserCodeTimeout(InflightError, TimeoutError):
+    """A call into the user's code ran past its timeout; `what` names the call ("tool 'add'")."""
+
+    def __init__(self, what: str, timeout_s: float) -> None:
+        self.what = what
+        self.timeout_s = timeout_s
+        super().__init__(f"{what} ran past its timeout of {timeout_s:g} s")

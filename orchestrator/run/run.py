@@ -211,6 +211,7 @@ class Run:
         from orchestrator.scoring.scorer import make_scorer
         from orchestrator.tasks import make_task
         from orchestrator.tasks.entrypoint import run_search_path
+        from orchestrator.tasks.user_code import UserCode
         from orchestrator.trainer.launcher import TrainerProcess
 
         config = self.config
@@ -227,9 +228,12 @@ class Run:
                                  fsync_every_ms=config.run.fsync_every_ms, on_record=self.metrics.on_record)
         self.journal = DispatchJournal(self.run_dir)
         self.search_path = run_search_path(self.run_dir, getattr(self, "config_path", None))
+        # Every call into the user's code (steps, tools, agents) runs through one runner: one
+        # thread for each rollout the scheduler may keep in flight (tasks/user_code.py).
+        user_code = UserCode(threads=config.scheduler.max_inflight)
         with self.startup.phase("task"):
             self.task = await anyio.to_thread.run_sync(lambda: make_task(
-                config.task, model_dir, search_path=self.search_path, sampling=self.sampling))
+                config.task, model_dir, search_path=self.search_path, sampling=self.sampling, user_code=user_code))
         self._serve_agent_endpoint()
         # A multi-turn task's reward is its episode's: no scoring pool to start.
         pool = "thread" if getattr(self.task, "episodic", False) else config.task.scoring_pool

@@ -21,12 +21,16 @@ TASKS: dict[str, type[Task]] = {"digits": DigitsTask, "length": LengthTask}
 
 
 def make_task(config: TaskConfig, model_dir: str, *, search_path: list[str] | None = None,
-              where: str = "task", tokenizer=None, scoring_only: bool = False, sampling=None) -> Task:
+              where: str = "task", tokenizer=None, scoring_only: bool = False, sampling=None,
+              user_code=None) -> Task:
     """The configured task, with the tokenizer of the model the engines serve. Everything that
     can be checked (imports, the dataset, every row's prompt, the chat template, the rewards) is
     checked here, so a mistake stops the run before any engine starts. `scoring_only`: for a
     scoring worker, which gets each prompt's row with the completion: no dataset read, no row
-    scanned. `sampling`: the run's `SamplingSettings` (its stop_token_ids end turns too)."""
+    scanned. `sampling`: the run's `SamplingSettings` (its stop_token_ids end turns too).
+    `user_code`: the run's runner of a multi-turn task's calls into user code
+    (`tasks.user_code.UserCode`, its threads from scheduler.max_inflight; default: one of the
+    task's own)."""
     from orchestrator.tasks.templates import engine_stop_ids, with_template
 
     if tokenizer is None:
@@ -36,7 +40,7 @@ def make_task(config: TaskConfig, model_dir: str, *, search_path: list[str] | No
     tokenizer = with_template(tokenizer, config.chat_template, f"{where}.chat_template")
     stop_ids = engine_stop_ids(tokenizer, model_dir, sampling)
     if config.agent is not None:
-        return _agent_task(config, tokenizer, where, search_path, scoring_only, stop_ids)
+        return _agent_task(config, tokenizer, where, search_path, scoring_only, stop_ids, user_code)
     if config.entrypoint is None and config.dataset is None:
         if config.name not in TASKS:
             raise ConfigError(f"{where}.name", f"unknown task {config.name!r}; choose one of {sorted(TASKS)}")
@@ -64,12 +68,12 @@ def make_task(config: TaskConfig, model_dir: str, *, search_path: list[str] | No
             from orchestrator.tasks.dataset import load_rows
 
             return environment_task(made, tokenizer, config, where=where, scan=not scoring_only, load_rows=load_rows,
-                                    stop_ids=stop_ids)
+                                    stop_ids=stop_ids, user_code=user_code)
         if callable(getattr(made, "run", None)) and callable(getattr(made, "row", None)):
             from orchestrator.tasks.episodes import agent_task  # e.g. orchestrator.tasks.verifiers:make
 
             return agent_task(made.run, tokenizer, config, where=where, scan=not scoring_only, source=made,
-                              stop_ids=stop_ids)
+                              stop_ids=stop_ids, user_code=user_code)
         if callable(getattr(made, "row", None)):
             name = config.id or getattr(made, "name", None) or config.task_id
             return RowTask(tokenizer, config, name=str(name), source=made, rewards=rewards, where=where,
@@ -85,7 +89,7 @@ def make_task(config: TaskConfig, model_dir: str, *, search_path: list[str] | No
 
 
 def _agent_task(config: TaskConfig, tokenizer, where: str, search_path: list[str] | None, scoring_only: bool,
-                stop_ids):
+                stop_ids, user_code=None):
     """`task.agent`: the agent function, rows from `task.entrypoint` (a task object with row(),
     or a dataset) or `task.dataset`."""
     from orchestrator.tasks.dataset import load_rows, rows_of
@@ -98,14 +102,14 @@ def _agent_task(config: TaskConfig, tokenizer, where: str, search_path: list[str
         factory = load_callable(config.entrypoint, f"{where}.entrypoint", search_path)
         made = call_factory(factory, dict(config.args), where, tokenizer=tokenizer)
         if callable(getattr(made, "row", None)):
-            return agent_task(run_fn, tokenizer, config, where=where, scan=scan, source=made, stop_ids=stop_ids)
+            return agent_task(run_fn, tokenizer, config, where=where, scan=scan, source=made, stop_ids=stop_ids, user_code=user_code)
         rows = rows_of(made, f"{where}.entrypoint") if scan else []
-        return agent_task(run_fn, tokenizer, config, where=where, scan=scan, rows=rows, stop_ids=stop_ids)
+        return agent_task(run_fn, tokenizer, config, where=where, scan=scan, rows=rows, stop_ids=stop_ids, user_code=user_code)
     if config.dataset is None:
         raise ConfigError(f"{where}.dataset", "an agent needs rows (each episode's run(client, row) gets one): "
                                               "give task.dataset or task.entrypoint")
     rows = load_rows(config.dataset, f"{where}.dataset") if scan else []
-    return agent_task(run_fn, tokenizer, config, where=where, scan=scan, rows=rows, stop_ids=stop_ids)
+    return agent_task(run_fn, tokenizer, config, where=where, scan=scan, rows=rows, stop_ids=stop_ids, user_code=user_code)
 
 
 def _rewards(config: TaskConfig, where: str, search_path: list[str] | None):

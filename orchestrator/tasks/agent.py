@@ -6,13 +6,16 @@ talks to the run's OpenAI-compatible endpoint (`orchestrator.tasks.agent_endpoin
 as it likes; every call is recorded into its episode with exact tokens, logprobs and versions,
 and the number it returns is the episode's reward.
 
-The agent runs off the run's event loop, in a worker thread with that thread's own event loop
-(`base.call_maybe_async`); its client is made in that thread, with the run's token as api_key
-and the episode's id in the `X-Inflight-Episode` header, and closed after. It is bounded by
-`timeout_s`: past it the episode ends with `AgentTimeout` (Python cannot stop the thread; it is
-left to finish, and its later calls get 404). The episode is closed whatever happens (a call in
-flight is cancelled). When the engine's turn failed inside a call, that failure is raised (as
-the run's own sampler raised it), whatever the agent made of its HTTP error.
+The agent runs off the run's event loop, through the run's user-code runner (`user_code.py`):
+in a worker thread of its own for the whole episode (the run's threads follow
+`scheduler.max_inflight`, one per episode in flight), an async agent on that thread's own event
+loop (`user_code.call_in_thread`); its client is made in that thread, with the run's token as
+api_key and the episode's id in the `X-Inflight-Episode` header, and closed after. It is bounded
+by `timeout_s`, counted from when its thread starts it (never the wait for a thread): past it
+the episode ends with `AgentTimeout` (Python cannot stop the thread; it is abandoned, left to
+finish, and its later calls get 404). The episode is closed whatever happens (a call in flight
+is cancelled). When the engine's turn failed inside a call, that failure is raised (as the run's
+own sampler raised it), whatever the agent made of its HTTP error.
 
 `sampling_checker(settings)` is the endpoint's `sampling_check` for a run sampling with
 `settings`: a call may repeat them, never ask for others.
@@ -21,35 +24,31 @@ the run's own sampler raised it), whatever the agent made of its HTTP error.
 from __future__ import annotations
 
 import copy
-import inspect
 import math
 import numbers
 from collections.abc import Callable
 
-import anyio
 
-from orchestrator.errors import ConfigError
+from orchestrator.errors import ConfigError, UserCodeTimeout
 from orchestrator.tasks.agent_endpoint import EPISODE_HEADER, SAMPLING_FIELDS, AgentEndpoint
-from orchestrator.tasks.base import call_maybe_async
 from orchestrator.tasks.env import DONE, Episode, Sampler
-
-# Worker threads agents share: each holds one for its whole episode (mostly waiting on HTTP).
-AGENT_THREADS = 64
+from orchestrator.tasks.user_code import UserCode, call_in_thread, is_async
 
 
 class AgentError(Exception):
     """The agent failed: it raised, returned no number, or never called the endpoint."""
 
 
-class AgentTimeout(TimeoutError):
+class AgentTimeout(UserCodeTimeout):
     """The agent ran past its timeout."""
 
 
 class AgentEpisodes:
-    """Runs episodes of one agent function against one endpoint."""
+    """Runs episodes of one agent function against one endpoint, through `user_code` (the
+    run's runner; by default one of its own)."""
 
     def __init__(self, run_fn, endpoint: AgentEndpoint, base_url_fn: Callable[[], str], *, timeout_s: float,
-                 threads: int = AGENT_THREADS) -> None:
+                 user_code: UserCode | None = None) -> None:
         if not callable(run_fn):
             raise TypeError(f"the agent must be a function run(client, row), got {type(run_fn).__name__}")
         if not timeout_s > 0:
@@ -59,7 +58,7 @@ class AgentEpisodes:
         self.base_url_fn = base_url_fn
         self.timeout_s = timeout_s
         self.name = getattr(run_fn, "__qualname__", type(run_fn).__name__)
-        self._limiter = anyio.CapacityLimiter(threads)
+        self.user_code = user_code or UserCode()
 
     async def run_episode(self, row: dict, sample: Sampler, max_tokens_per_turn: int,
                           started: Callable[[Episode], None] | None = None, max_len: int | None = None) -> Episode:
@@ -88,14 +87,15 @@ class AgentEpisodes:
     async def _run_agent(self, episode_id: str, row: dict):
         base_url = self.base_url_fn().rstrip("/") + "/v1"
         args = (self.run_fn, base_url, self.endpoint.token, episode_id, copy.deepcopy(row), self.timeout_s)
-        # move_on_after, not fail_after: a TimeoutError the agent raises itself is its own error.
-        with anyio.move_on_after(self.timeout_s):
-            try:
-                return await anyio.to_thread.run_sync(_call_agent, *args, limiter=self._limiter,
-                                                      abandon_on_cancel=True)
-            except Exception as exc:  # noqa: BLE001 - the user's code: its failure ends this episode, named
-                raise AgentError(f"the agent {self.name} raised {type(exc).__name__}: {exc}") from exc
-        raise AgentTimeout(f"the agent {self.name} ran past its timeout of {self.timeout_s:g} s")
+        what = f"the agent {self.name}"
+        try:
+            return await self.user_code.call(_call_agent, *args, timeout_s=self.timeout_s, what=what)
+        except UserCodeTimeout as exc:
+            if exc.what != what:  # one raised inside the agent, not this call's: the agent's own error
+                raise AgentError(f"{what} raised {type(exc).__name__}: {exc}") from exc
+            raise AgentTimeout(what, self.timeout_s) from None
+        except Exception as exc:  # noqa: BLE001 - the user's code: its failure ends this episode, named
+            raise AgentError(f"{what} raised {type(exc).__name__}: {exc}") from exc
 
 
 def _call_agent(run_fn, base_url: str, token: str, episode_id: str, row: dict, timeout_s: float):
@@ -105,9 +105,9 @@ def _call_agent(run_fn, base_url: str, token: str, episode_id: str, row: dict, t
     # No retries: a refused call is not retried into a second turn, a failed one fails the episode.
     options = {"base_url": base_url, "api_key": token, "default_headers": {EPISODE_HEADER: episode_id},
                "max_retries": 0, "timeout": timeout_s}
-    if not _is_async(run_fn):
+    if not is_async(run_fn):
         with openai.OpenAI(**options) as client:
-            return call_maybe_async(run_fn, client, row)
+            return call_in_thread(run_fn, client, row)
 
     async def with_client():
         client = openai.AsyncOpenAI(**options)
@@ -115,11 +115,7 @@ def _call_agent(run_fn, base_url: str, token: str, episode_id: str, row: dict, t
             return await run_fn(client, row)
         finally:
             await client.close()
-    return call_maybe_async(with_client)
-
-
-def _is_async(fn) -> bool:
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+    return call_in_thread(with_client)
 
 
 def _reward(value, name: str) -> float:

@@ -11,10 +11,7 @@ Both calls do their work in `*_sync` methods that the run performs in worker thr
 from __future__ import annotations
 
 import abc
-import asyncio
-import inspect
 import random
-import threading
 from collections.abc import Sequence
 
 import anyio
@@ -101,22 +98,3 @@ class Task(abc.ABC):
     def rows(self) -> int | None:
         """Rows in one epoch, or None for an endless (procedural) task."""
         return None
-
-
-_thread_loops = threading.local()
-
-
-def call_maybe_async(fn, *args, **kwargs):
-    """Call a user's function that may be `async def`, from a worker thread: a coroutine runs
-    on this thread's own event loop (one per thread, reused), never on the run's."""
-    result = fn(*args, **kwargs)
-    if inspect.isawaitable(result):
-        loop = getattr(_thread_loops, "loop", None)
-        if loop is None or loop.is_closed():
-            loop = _thread_loops.loop = asyncio.new_event_loop()
-        result = loop.run_until_complete(_await(result))
-    return result
-
-
-async def _await(awaitable):
-    return await awaitable

@@ -1,8 +1,12 @@
-"""The user's code enters here, by import path ("package.module:attribute"), from the config.
+"""The user's code enters here, by import path ("package.module:attribute"), from the config:
+`load_callable` is the one loader (task.entrypoint, task.agent, task.rewards[i].fn).
 
 A user's package on `sys.path`, in the run's working directory or beside the config file needs
-no change to this project. An import that fails is a `ConfigError` naming the config field and
-the cause, raised at start, before any engine starts.
+no change to this project. The search path's entries are resolved to absolute paths (a later
+chdir does not move them), put first on `sys.path` in their order and kept there (the user's
+module may import lazily), and the import system's caches are cleared, so a module written
+after this process started is found too. An import that fails is a `ConfigError` naming the
+config field and the cause, raised at start, before any engine starts.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import importlib
 import inspect
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from orchestrator.errors import ConfigError
@@ -47,14 +52,22 @@ def run_search_path(run_dir: str | os.PathLike, config_path: str | os.PathLike |
     return paths
 
 
-def load_callable(spec: str, where: str, extra_path: list[str] | None = None):
-    """The object named by "package.module:attribute" (dotted attributes allowed)."""
+def extend_sys_path(search_path: Sequence[str | os.PathLike]) -> None:
+    """Put `search_path` first on sys.path (resolved, in order, kept); see the module's docstring."""
+    for entry in reversed(list(search_path)):
+        path = str(Path(os.fspath(entry)).resolve())
+        if path not in sys.path:
+            sys.path.insert(0, path)
+    importlib.invalidate_caches()  # a module written after this process started is found too
+
+
+def load_callable(spec: str, where: str, extra_path: Sequence[str | os.PathLike] | None = None):
+    """The object named by "package.module:attribute" (dotted attributes allowed), looked for
+    on `extra_path` first; ConfigError naming `where` if it cannot be."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ConfigError(where, f"must be 'package.module:name', got {spec!r}")
-    for entry in reversed(extra_path or []):
-        if entry not in sys.path:
-            sys.path.insert(0, entry)
+    extend_sys_path(extra_path or [])
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # noqa: BLE001 - any failure of the user's module is theirs to see, named

@@ -21,7 +21,9 @@ activations land between or during its turns.
 (`tools.tool_schema` describes them in the system prompt); each model turn's tool calls are
 parsed (Hermes / Qwen format) and run, their results (or errors) answer as `tool` messages; a
 turn without calls ends the episode and is scored; a call that does not parse ends it with
-`malformed_tool_call`.
+`malformed_tool_call`. Its user hooks (`prompt`, each tool, `score`) go through the runner of
+the call the step runs in (`user_code.current()`): a plain `def` in a worker thread, never on
+the loop that the episodes' steps share, each bounded by `step_timeout_s`.
 """
 
 from __future__ import annotations
@@ -30,10 +32,9 @@ import json
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-import anyio
-
 from orchestrator.tasks.tools import MalformedToolCall, call_tool, parse_tool_calls, tool_schema
 from orchestrator.tasks.turns import TurnRenderer
+from orchestrator.tasks.user_code import current
 
 # Why an episode ended (Episode.ended).
 DONE = "done"  # the environment said so
@@ -49,9 +50,10 @@ class Environment:
     max_turns: int = 4
     max_episode_tokens: int = 1024
     step_timeout_s: float = 30.0
-    # False: reset/step run off the run's event loop (tasks/env_thread.py), safe for code that
-    # blocks. True: an async environment that never blocks (no CPU-heavy work, no blocking
-    # I/O) runs on the run's loop: no thread hop per turn (multi_turn_overhead_ratio_on_loop).
+    # False: reset/step run off the run's event loop (tasks/user_code.py): an async one on the
+    # user-code loop, a plain def in a worker thread. True: an async environment that never blocks
+    # (no CPU-heavy work, no blocking I/O) runs on the run's loop: no thread hop per turn
+    # (multi_turn_overhead_ratio_on_loop).
     on_loop: bool = False
 
     async def reset(self, row: dict) -> list[dict]:
@@ -141,10 +143,11 @@ async def run_episode(env: Environment, renderer: TurnRenderer, sample: Sampler,
                       max_tokens_per_turn: int, *, call: EnvCall | None = None,
                       started: Callable[[Episode], None] | None = None, max_len: int | None = None) -> Episode:
     """One episode to its end (`Episode.ended`); `sample` runs one turn on an engine, `call`
-    runs the environment's `reset` and `step` (default: on this loop, each bounded by
-    `env.step_timeout_s`); `started(episode)` is told the episode once it exists (so a caller
-    can record what it holds if a later turn fails); `max_len` (the engines' context length)
-    lowers the environment's `max_episode_tokens` where it is smaller."""
+    runs the environment's `reset` and `step` (default: an async one on this loop, a plain one
+    in a worker thread, each bounded by `env.step_timeout_s`); `started(episode)` is told the
+    episode once it exists (so a caller can record what it holds if a later turn fails);
+    `max_len` (the engines' context length) lowers the environment's `max_episode_tokens`
+    where it is smaller."""
     limit = min(env.max_episode_tokens, max_len) if max_len else env.max_episode_tokens
     call = call or _on_this_loop(env.step_timeout_s)
     messages = _messages(await call(env.reset, row), "reset")
@@ -180,9 +183,11 @@ async def run_episode(env: Environment, renderer: TurnRenderer, sample: Sampler,
 
 
 def _on_this_loop(timeout_s: float) -> EnvCall:
+    # An async reset/step awaited here, a plain one in a worker thread, through the runner of the
+    # call this runs in (or the process's default): the tools it calls find that runner.
     async def call(fn, *args):
-        with anyio.fail_after(timeout_s):
-            return await fn(*args)
+        return await current().call(fn, *args, timeout_s=timeout_s, here=True,
+                                    what=f"the environment's {getattr(fn, '__name__', 'call')}")
     return call
 
 
@@ -225,7 +230,9 @@ class ToolEnvironment(Environment):
     async def reset(self, row: dict) -> list[dict]:
         schemas = [tool_schema(fn) for fn in self.tools]
         system = self.system_prompt + "\nTools:\n" + "\n".join(json.dumps(s) for s in schemas)
-        return [{"role": "system", "content": system}, {"role": "user", "content": self.prompt(row)}]
+        prompt = await current().call(self.prompt, row, timeout_s=self.step_timeout_s,
+                                      what="the environment's prompt")
+        return [{"role": "system", "content": system}, {"role": "user", "content": prompt}]
 
     async def step(self, episode: Episode) -> tuple[list[dict], float | None, bool]:
         calls = parse_tool_calls(episode.last_reply())
@@ -234,6 +241,9 @@ class ToolEnvironment(Environment):
             episode.ended, episode.detail = MALFORMED_TOOL_CALL, calls.reason
             return [], 0.0, True
         if not calls:
-            return [], float(self.score(episode, episode.row)), True
+            score = await current().call(self.score, episode, episode.row, timeout_s=self.step_timeout_s,
+                                         what="the environment's score")
+            return [], float(score), True
         by_name = {fn.__name__: fn for fn in self.tools}
-        return [{"role": "tool", "content": await call_tool(by_name, c)} for c in calls], None, False
+        answers = [await call_tool(by_name, c, timeout_s=self.step_timeout_s) for c in calls]
+        return [{"role": "tool", "content": answer} for answer in answers], None, False

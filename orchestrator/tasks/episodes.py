@@ -7,11 +7,12 @@ Either way the task is an `EpisodeTask`: rows as any row task draws them (the en
 `row(index)` and optional `__len__`, or `task.dataset`), and `run_episode(prompt, sample, ...)`
 in place of a score: the reward is the episode's.
 
-An environment's code runs off the run's event loop, on one environment thread's own event loop
-(`env_thread.py`; a plain `def` in that loop's thread pool), every `reset` and `step` bounded by
-its `step_timeout_s`: a step past it is cancelled there and its episode ends
-(`environment_timeout`); the run goes on. An async environment that declares `on_loop = True`
-(it never blocks) runs on the run's loop instead, bounded the same way.
+An environment's code runs off the run's event loop, through the run's user-code runner
+(`user_code.py`: an async `reset`/`step` on the user-code loop, a plain `def` in a worker thread),
+every `reset` and `step` bounded by its `step_timeout_s`: a step past it is cancelled there (a
+thread is abandoned) and its episode ends (`environment_timeout`, naming the call); the run goes
+on. An async environment that declares `on_loop = True` (it never blocks) runs on the run's loop
+instead, bounded the same way.
 
 The chat template is checked at start, before any engine starts, with the roles the task sends
 (a tool message only for an environment with tools): one that is not prefix-preserving, or that
@@ -20,19 +21,17 @@ raises on what the task sends, is refused (`turns.TemplateError`, naming `task.c
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
-
-import anyio
 
 from orchestrator.config.run import TaskConfig
 from orchestrator.errors import ConfigError
 from orchestrator.tasks.base import Prompt
 from orchestrator.tasks.env import Environment, Episode, Sampler, ToolEnvironment, run_episode
-from orchestrator.tasks.env_thread import EnvironmentThread
 from orchestrator.tasks.rows import RowTask
 from orchestrator.tasks.templates import template_source
 from orchestrator.tasks.turns import TurnRenderer
+from orchestrator.tasks.user_code import UserCode, is_async
+
 
 def is_environment(made) -> bool:
     """Whether a factory's product is a multi-turn environment (reset and step, duck-typed)."""
@@ -41,17 +40,17 @@ def is_environment(made) -> bool:
 
 
 class EnvironmentEpisodes:
-    """Runs episodes of one environment, its code in worker threads."""
+    """Runs episodes of one environment, its code through `user_code` (the run's runner)."""
 
-    def __init__(self, env, renderer: TurnRenderer, *, where: str = "task") -> None:
+    def __init__(self, env, renderer: TurnRenderer, *, where: str = "task", user_code: UserCode | None = None) -> None:
         self.env = env
         self.renderer = renderer
+        self.user_code = user_code or UserCode()
         for name, default in (("max_turns", 4), ("max_episode_tokens", 1024), ("step_timeout_s", 30.0)):
             value = getattr(env, name, default)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ConfigError(f"{where}.entrypoint", f"the environment's {name} must be a positive number, "
                                                          f"got {value!r}")
-        self._thread: EnvironmentThread | None = None  # started on first use (a scoring copy never runs one)
 
     async def run_episode(self, row: dict, sample: Sampler, max_tokens_per_turn: int,
                           started: Callable[[Episode], None] | None = None, max_len: int | None = None) -> Episode:
@@ -59,19 +58,15 @@ class EnvironmentEpisodes:
                                  call=self._call, started=started, max_len=max_len)
 
     async def _call(self, fn, *args):
-        """An environment call: on the environment thread, or on the run's loop for an async
-        environment that declares `on_loop = True`; either way cancelled past step_timeout_s."""
+        """An environment call through the runner (on the run's loop for an async environment
+        that declares `on_loop = True`); either way cancelled past step_timeout_s."""
         timeout_s = getattr(self.env, "step_timeout_s", 30.0)
-        if getattr(self.env, "on_loop", False) and inspect.iscoroutinefunction(fn):
-            with anyio.fail_after(timeout_s):
-                return await fn(*args)
-        if self._thread is None:
-            self._thread = EnvironmentThread()
-        return await self._thread.call(timeout_s, fn, *args)
+        here = bool(getattr(self.env, "on_loop", False)) and is_async(fn)
+        return await self.user_code.call(fn, *args, timeout_s=timeout_s, here=here,
+                                         what=f"the environment's {getattr(fn, '__name__', 'call')}")
 
     def close(self) -> None:
-        if self._thread is not None:
-            self._thread.close()
+        self.user_code.close()
 
 
 class EpisodeTask(RowTask):
@@ -124,13 +119,13 @@ class EpisodeTask(RowTask):
 
 
 def environment_task(made, tokenizer, config: TaskConfig, *, where: str, scan: bool, load_rows,
-                     stop_ids=None) -> EpisodeTask:
+                     stop_ids=None, user_code: UserCode | None = None) -> EpisodeTask:
     """The EpisodeTask of an environment a factory returned; `load_rows(path, field)` reads
     `task.dataset` when the environment has no rows of its own; `stop_ids`: every token id the
-    engine ends a turn on (`templates.engine_stop_ids`)."""
+    engine ends a turn on (`templates.engine_stop_ids`); `user_code`: the run's runner."""
     sends, may_send = environment_roles(made)
     renderer = checked_renderer(tokenizer, config, where, stop_ids=stop_ids, sends=sends, may_send=may_send)
-    runner = EnvironmentEpisodes(made, renderer, where=where)
+    runner = EnvironmentEpisodes(made, renderer, where=where, user_code=user_code)
     name = config.id or getattr(made, "name", None) or config.task_id
     if callable(getattr(made, "row", None)):
         return EpisodeTask(tokenizer, config, name=str(name), runner=runner, renderer=renderer, source=made,
@@ -168,10 +163,11 @@ def checked_renderer(tokenizer, config: TaskConfig, where: str, *, stop_ids=None
 
 
 def agent_task(run_fn, tokenizer, config: TaskConfig, *, where: str, scan: bool, rows: list[dict] | None = None,
-               source=None, stop_ids=None) -> EpisodeTask:
+               source=None, stop_ids=None, user_code: UserCode | None = None) -> EpisodeTask:
     """The EpisodeTask of an agent `run(client, row)` (docs/agents.md): its endpoint is built
     here; `inflight run` serves it (orchestrator/run/run.py). An agent's messages are its own:
-    system and tool messages are probed where the template renders them."""
+    system and tool messages are probed where the template renders them. `user_code`: the run's
+    runner (its threads, one per episode in flight)."""
     from orchestrator.tasks.agent import AgentEpisodes
     from orchestrator.tasks.agent_endpoint import AgentEndpoint
     from transports.http_common import new_token
@@ -188,7 +184,7 @@ def agent_task(run_fn, tokenizer, config: TaskConfig, *, where: str, scan: bool,
             raise RuntimeError("the agent endpoint is not served yet")
         return url
 
-    runner = AgentEpisodes(run_fn, endpoint, base_url, timeout_s=config.agent_timeout_s)
+    runner = AgentEpisodes(run_fn, endpoint, base_url, timeout_s=config.agent_timeout_s, user_code=user_code)
     name = config.id or getattr(source, "name", None) or config.task_id
     task = EpisodeTask(tokenizer, config, name=str(name), runner=runner, renderer=renderer, rows=rows,
                        source=source, where=where, scan=scan, agent_endpoint=endpoint)

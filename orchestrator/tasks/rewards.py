@@ -7,29 +7,28 @@ functools.partial; it may be sync or async. Everything is checked in `build_rewa
 and a bad spec raises ConfigError naming its exact field.
 
 Scoring is synchronous: the caller runs `RewardSet.score` in a worker thread, never on the event
-loop. An async component runs on an event loop owned by that thread and reused across calls.
+loop. An async component runs on an event loop owned by that thread and reused across calls
+(`user_code.call_in_thread`). A user's function is imported by `entrypoint.load_callable`.
 A component that raises, or returns anything but a finite number, raises RewardError: the rollout
 errors with that message; no value is invented in its place.
 """
 
 from __future__ import annotations
 
-import asyncio
-import importlib
 import inspect
 import logging
 import math
 import numbers
 import os
 import re
-import sys
-import threading
 import unicodedata
 from collections.abc import Callable, Sequence
 from functools import lru_cache
-from pathlib import Path
 
 from orchestrator.errors import ConfigError
+from orchestrator.tasks.entrypoint import extend_sys_path, load_callable
+from orchestrator.tasks.user_code import call_in_thread, refuse_running_loop
+from orchestrator.tasks.user_code import is_async as user_is_async
 
 RESERVED_NAME = "reward"  # the key of the weighted sum in RewardSet.score
 BUILTINS = ("exact", "math", "regex")
@@ -63,11 +62,9 @@ class RewardFn:
 
     def __call__(self, completion: str, completion_ids: list[int], row: dict) -> float:
         if self.is_async:
-            _refuse_running_loop()
+            refuse_running_loop("RewardSet.score")
         try:
-            value = self._fn(completion, completion_ids, row)
-            if inspect.isawaitable(value):
-                value = _run_on_thread_loop(value)
+            value = call_in_thread(self._fn, completion, completion_ids, row)
         except _Failure as exc:
             raise RewardError(self.name, str(exc)) from exc
         except Exception as exc:  # the user's code: any failure is this rollout's error
@@ -104,7 +101,7 @@ def build_rewards(specs: Sequence[dict], *, answer_field: str = "answer", where:
     """Every component of `specs`, validated now; ConfigError names the first bad field."""
     if not specs:
         raise ConfigError(where, 'at least one reward is required, e.g. [{fn = "exact"}]')
-    _extend_sys_path(search_path or [])
+    extend_sys_path(search_path or [])  # once for every component
     components: list[RewardFn] = []
     seen: dict[str, int] = {}
     for i, spec in enumerate(specs):
@@ -135,9 +132,9 @@ def _build_one(spec: object, field: str, answer_field: str) -> RewardFn:
         call, columns = _builtin(fn, options, field, answer_field)
         default_name, is_async = fn, False
     elif ":" in fn:
-        user = _import_callable(fn, f"{field}.fn")
+        user = load_callable(fn, f"{field}.fn")
         call, columns = _bind_user_function(user, options, field)
-        default_name, is_async = _callable_name(user), _is_async(user)
+        default_name, is_async = _callable_name(user), user_is_async(user)
     else:
         raise ConfigError(f"{field}.fn", f"unknown reward {fn!r}: a built-in ({', '.join(BUILTINS)}) "
                                           "or 'package.module:function'")
@@ -274,39 +271,9 @@ def _math_equal(completion: str, gold: str) -> float:
 
 # --- the user's function --------------------------------------------------------------------------
 
-def _extend_sys_path(search_path: Sequence[str | os.PathLike]) -> None:
-    # Kept on sys.path (not removed after the import): the user's module may import lazily.
-    for entry in reversed(list(search_path)):
-        path = str(Path(os.fspath(entry)).resolve())
-        if path not in sys.path:
-            sys.path.insert(0, path)
-    importlib.invalidate_caches()  # a module written after this process started is found too
-
-
-def _import_callable(target: str, field: str) -> Callable:
-    module_name, _, attr_path = target.partition(":")
-    if not module_name or not attr_path:
-        raise ConfigError(field, f"must be 'package.module:function', got {target!r}")
-    try:
-        obj = importlib.import_module(module_name)
-    except Exception as exc:  # ImportError, or whatever the module raised while importing
-        raise ConfigError(field, f"cannot import module {module_name!r}: {type(exc).__name__}: {exc}") from exc
-    for part in attr_path.split("."):
-        if not hasattr(obj, part):
-            raise ConfigError(field, f"module {module_name!r} has no attribute {attr_path!r}")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise ConfigError(field, f"{target!r} is not callable (it is {type(obj).__name__})")
-    return obj
-
-
 def _callable_name(fn: Callable) -> str:
     inner = getattr(fn, "func", fn)  # functools.partial
     return getattr(inner, "__name__", None) or type(inner).__name__
-
-
-def _is_async(fn: Callable) -> bool:
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
 
 
 def _bind_user_function(fn: Callable, options: dict, field: str) -> tuple[Callable, frozenset[str]]:
@@ -339,40 +306,3 @@ def _bind_user_function(fn: Callable, options: dict, field: str) -> tuple[Callab
         return fn(**kwargs)
 
     return call, columns
-
-
-# --- async components: one event loop per worker thread ------------------------------------------
-
-class _ThreadLoop(threading.local):
-    loop: asyncio.AbstractEventLoop | None = None
-
-    def get(self) -> asyncio.AbstractEventLoop:
-        if self.loop is None or self.loop.is_closed():
-            self.loop = asyncio.new_event_loop()
-            self._closer = _LoopCloser(self.loop)
-        return self.loop
-
-
-class _LoopCloser:
-    # Lives in the thread's local storage: when the thread ends, it is dropped and closes the loop.
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-
-    def __del__(self) -> None:
-        if not self.loop.is_running():
-            self.loop.close()
-
-
-_thread_loop = _ThreadLoop()
-
-
-def _refuse_running_loop() -> None:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return
-    raise RuntimeError("RewardSet.score is synchronous: call it in a worker thread, not on an event loop")
-
-
-def _run_on_thread_loop(awaitable) -> object:
-    return _thread_loop.get().run_until_complete(awaitable)

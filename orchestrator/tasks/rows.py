@@ -16,8 +16,9 @@ from collections.abc import Sequence
 from orchestrator.config.run import TaskConfig
 from orchestrator.errors import ConfigError
 from orchestrator.observe.logging import get_logger
-from orchestrator.tasks.base import Prompt, Task, TaskExhausted, call_maybe_async
+from orchestrator.tasks.base import Prompt, Task, TaskExhausted
 from orchestrator.tasks.templates import TemplateError
+from orchestrator.tasks.user_code import call_in_thread
 
 log = get_logger(__name__)
 
@@ -183,7 +184,7 @@ class RowTask(Task):
         row = prompt.row or {}
         if self.rewards is not None:
             return self.rewards.score(completion, ids, row)
-        result = call_maybe_async(self.source.score, completion, ids, row)
+        result = call_in_thread(self.source.score, completion, ids, row)
         if isinstance(result, dict):
             if "reward" not in result:
                 raise ValueError(f"score() returned {sorted(result)} without a 'reward' key")

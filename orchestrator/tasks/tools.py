@@ -16,11 +16,14 @@ Hermes / Qwen format, and each call run with its error returned to the model as 
 
 A call is `<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>` in the
 model's text. Text that opens a call but does not parse is a `MalformedToolCall`, with why:
-the episode ends that turn recording `malformed_tool_call`, it does not guess.
+the episode ends that turn recording `malformed_tool_call`, it does not guess. `call_tool` runs
+a call through the user-code runner (`user_code.py`): a blocking tool holds a worker thread,
+never the loop other episodes' steps run on.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import re
@@ -28,6 +31,9 @@ import types
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from orchestrator.errors import UserCodeTimeout
+from orchestrator.tasks.user_code import UserCode, current
 
 _JSON_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean", list: "array", dict: "object"}
 _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
@@ -91,9 +97,12 @@ def parse_tool_calls(text: str) -> list[ToolCall] | MalformedToolCall:
     return calls
 
 
-async def call_tool(tools: dict[str, Callable], call: ToolCall) -> str:
-    """Run one call; its result as text (JSON for anything but a string). A tool that raises,
-    an unknown tool or wrong arguments: the error, as text for the model."""
+async def call_tool(tools: dict[str, Callable], call: ToolCall, *, timeout_s: float = 30.0,
+                    user_code: UserCode | None = None) -> str:
+    """Run one call through `user_code` (default: the runner of the call this runs in): a plain
+    def in a worker thread, an async one on the user-code loop. Its result as text (JSON for
+    anything but a string). A tool that raises, an unknown tool or wrong arguments: the error, as
+    text for the model. A tool past `timeout_s`: UserCodeTimeout naming it (its episode ends)."""
     fn = tools.get(call.name)
     if fn is None:
         return f"error: no tool named {call.name!r} (tools: {', '.join(sorted(tools))})"
@@ -101,10 +110,12 @@ async def call_tool(tools: dict[str, Callable], call: ToolCall) -> str:
         inspect.signature(fn).bind(**call.arguments)
     except TypeError as exc:
         return f"error: {call.name}: {exc}"
+    runner = user_code or current()
     try:
-        result = fn(**call.arguments)
-        if inspect.isawaitable(result):
-            result = await result
+        result = await runner.call(functools.partial(fn, **call.arguments), timeout_s=timeout_s,
+                                   what=f"tool {call.name!r}")
+    except UserCodeTimeout:
+        raise  # not an answer for the model: a tool that hangs ends its episode, named
     except Exception as exc:  # noqa: BLE001 - the model reads what went wrong
         return f"error: {call.name} raised {type(exc).__name__}: {exc}"
     return result if isinstance(result, str) else json.dumps(result, default=str)

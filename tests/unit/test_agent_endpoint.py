@@ -23,6 +23,7 @@ from orchestrator.errors import ConfigError
 from orchestrator.tasks.agent import AgentEpisodes, AgentError, AgentTimeout, sampling_checker
 from orchestrator.tasks.env import DONE, Environment, run_episode
 from orchestrator.tasks.turns import TurnRenderer
+from orchestrator.tasks.user_code import UserCode
 from replay.records import SamplingSettings
 from tests.agent_helpers import LOGPROB, TOKEN, Script, assistant, chat, client, served, user
 
@@ -430,6 +431,32 @@ async def test_an_agent_past_its_timeout_ends_its_episode_and_its_later_calls_ge
         while not statuses:
             await anyio.sleep(0.05)
     assert statuses == [404]
+
+
+async def test_a_hundred_agents_in_flight_each_run_at_once_on_a_runner_of_a_hundred_threads(live, renderer):
+    # The run sizes its runner from scheduler.max_inflight (run.py); the pool was 64 threads
+    # shared by every agent, so agents 65.. waited for one, their timeout running.
+    endpoint, url = live
+    n = 100
+    all_in = threading.Barrier(n, timeout=60)
+
+    def waits_for_every_other(client, row):
+        all_in.wait()  # passes only once n agents run at the same time
+        client.chat.completions.create(model="m", messages=[user("hi")])
+        return 1.0
+
+    episodes = AgentEpisodes(waits_for_every_other, endpoint, lambda: url, timeout_s=120,
+                             user_code=UserCode(threads=n))
+    rewards: list[float] = []
+
+    async def one() -> None:
+        rewards.append((await episodes.run_episode({}, Script(renderer, ["1"]), 16)).reward)
+
+    with anyio.fail_after(120):
+        async with anyio.create_task_group() as tg:
+            for _ in range(n):
+                tg.start_soon(one)
+    assert rewards == [1.0] * n and not all_in.broken and not endpoint._open
 
 
 async def test_a_cancelled_agent_episode_is_closed(live, renderer):

@@ -79,3 +79,14 @@ def test_a_held_out_evaluation_of_a_multi_turn_task_is_refused():
     with pytest.raises(ConfigError) as refused:
         Evaluator(task, None, EvalConfig(every_steps=1), None)
     assert refused.value.field == "eval"
+
+
+def test_the_runs_runner_of_user_code_reaches_an_environments_and_an_agents_episodes():
+    from orchestrator.tasks.user_code import UserCode
+
+    user_code = UserCode(threads=100)  # what `inflight run` makes of scheduler.max_inflight = 100
+    env = make_task(TaskConfig(entrypoint=DIALOGUE), MODEL, user_code=user_code)
+    agent = make_task(TaskConfig(agent="orchestrator.tasks.toy_agent:digits_agent",
+                                 entrypoint="orchestrator.tasks.toy_agent:rows"), MODEL, user_code=user_code)
+    assert env.runner.user_code is user_code and agent.runner.user_code is user_code
+    assert make_task(TaskConfig(entrypoint=DIALOGUE), MODEL).runner.user_code.threads == 256  # the default's

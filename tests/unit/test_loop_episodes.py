@@ -162,3 +162,63 @@ async def test_an_episode_whose_engine_dies_between_turns_goes_on_on_another(tmp
     # scheduler replaces them.
     assert all(r.status.kind in ("engine_died", "engine_fenced") and r.turns == 0 for r in errored), [
         (r.status.kind, r.turns) for r in errored]
+
+
+def calling_engine(engine_id: str, token_ids: list[int]):
+    """The fake engine answering every turn with `token_ids` (the fake engine's own tokens
+    never spell a tool call)."""
+    from orchestrator.bench.orchestrator import fake_engine
+    from orchestrator.engines.base import TokenChunk, VersionSpan
+
+    engine = fake_engine(engine_id, len(token_ids))
+
+    async def generate(request_id, prompt_token_ids, sampling, cache_salt=None, final_only=False):
+        await anyio.lowlevel.checkpoint()
+        yield TokenChunk(list(token_ids), [-1.0] * len(token_ids), finished=True, finish_reason="stop",
+                         version_spans=[VersionSpan(engine.version, 0, len(token_ids))])
+
+    engine.generate = generate
+    return engine
+
+
+@pytest.mark.timeout(180)
+async def test_a_tool_that_never_returns_errors_its_episode_at_its_timeout_naming_the_tool(tmp_path):
+    import threading
+
+    from orchestrator.tasks.env import ToolEnvironment
+
+    release = threading.Event()
+
+    def lookup(key: str) -> str:
+        """Look a key up."""
+        release.wait(120)  # never returns while the run goes on (the test lets it go at its end)
+        return key
+
+    class Lookup(ToolEnvironment):
+        tools = (lookup,)
+        step_timeout_s = 0.5
+        max_episode_tokens = 1 << 20
+
+        def prompt(self, row):
+            return "Look up a."
+
+        def score(self, episode, row):
+            return 1.0
+
+    call = episode_task(MODEL).renderer.encode('<tool_call>{"name": "lookup", "arguments": {"key": "a"}}</tool_call>')
+    run = episodic_run(tmp_path, Lookup(), episodes=32, engines=[calling_engine("fake-0", call)])
+    try:
+        with anyio.fail_after(60):
+            await drive(run, stop_after_s=3.0)
+        user_code = run.task.runner.user_code
+        with anyio.fail_after(30):  # every abandoned thread gave its slot back
+            while user_code.busy():
+                await anyio.sleep(0.01)
+    finally:
+        release.set()
+    _records, rollouts = check(tmp_path)
+    errored = [r for r in rollouts if r.status_name == "errored"]
+    assert errored and {r.status.kind for r in errored} == {"environment_timeout"}
+    assert all("tool 'lookup'" in r.status.message and "0.5 s" in r.status.message for r in errored), [
+        r.status.message for r in errored]
+    assert all(r.turns == 1 and r.sampled_mask().sum() == len(call) for r in errored), "the turn it had is kept"

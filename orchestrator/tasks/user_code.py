@@ -1,0 +1,292 @@
+"""Where the user's code runs: every call into it from the run goes through `UserCode.call`.
+
+    result = await user_code.call(fn, *args, timeout_s=30.0, what="tool 'add'")
+
+- A plain `def` runs in a worker thread, never on an event loop. One limiter per run bounds the
+  threads running calls at once: `threads`, sized by the run from `scheduler.max_inflight`. A
+  rollout makes one call at a time (an agent holds one for its whole episode; an environment's
+  plain reset or step, a tool, a score one each), so no rollout waits for a thread behind the
+  others.
+- An `async def` runs on the user-code loop: one thread with its own asyncio loop, never the
+  run's. Only async code runs there, never a plain `def` (a tool or a score that an environment's
+  step calls goes to a worker thread like any other), so a blocking function cannot stall the
+  episodes whose steps interleave there. `here=True` (an environment that declares `on_loop =
+  True`) awaits an async function on the caller's loop instead: no hop.
+- Each call is bounded by `timeout_s`, counted from when it starts to run: a wait for a thread is
+  not counted (with the pool full, the calls queued behind it would time out before they began).
+  Past it the caller gets `UserCodeTimeout(what, timeout_s)`: an async call is cancelled on its
+  loop; a thread cannot be stopped, so it is abandoned, never joined. Its slot is given back at
+  once, so abandoned threads never hold the pool (the threads alive may exceed `threads` by the
+  abandoned ones still running); each is a daemon thread, so one that never returns does not hold
+  the process at its exit either.
+- Code running inside a call finds its runner with `current()`. A call made from the user-code
+  loop (a step calling its tools) is performed from the loop the outer call came from, so the
+  run's one limiter bounds it too; when the outer call runs past its time during it, the error
+  names both ("the environment's step (in tool 'add')").
+
+`call_in_thread(fn, ...)` is the other half, for code that is already in a worker thread (a
+scoring thread or process, an agent's thread): fn, and an awaitable it returns run to the end on
+that thread's own event loop (one per thread, reused, closed when the thread ends).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import inspect
+import threading
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import anyio
+
+from orchestrator.errors import UserCodeTimeout
+
+# A run's default when it does not say (scheduler.max_inflight's default).
+DEFAULT_THREADS = 256
+
+
+@dataclass
+class _Call:
+    """One call in progress on the user-code loop: what it is, and the call it made, if any."""
+
+    runner: UserCode
+    what: str
+    inner: str | None = None
+
+    def named(self) -> str:
+        return self.what if self.inner is None else f"{self.what} (in {self.inner})"
+
+
+_CALL: contextvars.ContextVar[_Call] = contextvars.ContextVar("inflight_user_call")
+
+
+class UserCode:
+    """The runner of one run's calls into user code (see the module's docstring)."""
+
+    def __init__(self, threads: int = DEFAULT_THREADS, *, name: str = "user-code") -> None:
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"threads must be an integer >= 1, got {threads!r}")
+        self.threads = threads
+        self.name = name
+        # One limiter per event loop that calls (a run has one; tests run many loops in turn).
+        self._limiters: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._home: asyncio.AbstractEventLoop | None = None  # where calls from the user-code loop go
+        self._loop: asyncio.AbstractEventLoop | None = None  # the user-code loop, started on first use
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    async def call(self, fn: Callable, *args, timeout_s: float, what: str, here: bool = False):
+        """`fn(*args)`, awaited when async, where its kind runs; UserCodeTimeout past `timeout_s`."""
+        loop = asyncio.get_running_loop()
+        if loop is self._loop:
+            return await self._from_user_loop(fn, args, timeout_s, what)
+        self._home = loop
+        call = _Call(self, what)
+        if is_async(fn):
+            return await self._timed(call, timeout_s, self._run_async(fn, args, call, here))
+        async with self._limiter(loop):  # the wait for a thread is not the call's time
+            return await self._timed(call, timeout_s, self._run_in_thread(fn, args, call))
+
+    def busy(self) -> int:
+        """Threads this runner counts as running calls now (abandoned ones are not)."""
+        return sum(int(limiter.borrowed_tokens) for limiter in list(self._limiters.values()))
+
+    def close(self) -> None:
+        """Stop the user-code loop (a later async call starts another)."""
+        with self._lock:
+            loop, thread, self._loop, self._thread = self._loop, self._thread, None, None
+        if loop is not None and loop.is_running():
+            loop.call_soon_threadsafe(loop.stop)
+        if thread is not None:
+            thread.join(5.0)
+
+    # -- where a call runs ----------------------------------------------------------------------
+    async def _timed(self, call: _Call, timeout_s: float, running):
+        # move_on_after, not fail_after: a TimeoutError the user's code raises itself is its own.
+        with anyio.move_on_after(timeout_s):
+            return await running
+        raise UserCodeTimeout(call.named(), timeout_s)
+
+    async def _run_async(self, fn, args, call: _Call, here: bool):
+        if not here:
+            return await self._on_user_loop(lambda: fn(*args), call)
+        token = _CALL.set(call)  # code it calls (a tool) finds this runner
+        try:
+            return await fn(*args)
+        finally:
+            _CALL.reset(token)
+
+    async def _run_in_thread(self, fn, args, call: _Call):
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        worker = threading.Thread(target=_work, args=(loop, done, fn, args), daemon=True,
+                                  name=f"{self.name}: {call.what}"[:80])
+        worker.start()
+        result = await done  # cancelled (a timeout, the run's cancellation): the thread is abandoned
+        if inspect.isawaitable(result):  # a plain def that returned a coroutine: the rest runs as async code
+            result = await self._on_user_loop(lambda: result, call)
+        return result
+
+    async def _on_user_loop(self, make: Callable, call: _Call):
+        future = asyncio.run_coroutine_threadsafe(_invoke(make, call), self._user_loop())
+        try:
+            return await asyncio.wrap_future(future)
+        except BaseException:
+            future.cancel()  # cancels the task on the user-code loop
+            raise
+
+    async def _from_user_loop(self, fn, args, timeout_s: float, what: str):
+        """A call that async user code makes (a step calling a tool): performed from the loop of
+        the call it runs in, under that loop's limiter."""
+        home = self._home
+        if home is None or home.is_closed():
+            raise RuntimeError(f"{what}: called on the user-code loop with no run's loop to perform it")
+        outer = _CALL.get(None)
+        if outer is not None:
+            outer.inner = what
+        future = asyncio.run_coroutine_threadsafe(self.call(fn, *args, timeout_s=timeout_s, what=what), home)
+        try:
+            result = await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            # The outer call is cancelled (its timeout, say) while this one runs: `inner` stays
+            # set, so that the outer call's error, raised on the other loop, names this one.
+            future.cancel()
+            raise
+        except BaseException:
+            future.cancel()
+            _done_inside(outer)
+            raise
+        _done_inside(outer)
+        return result
+
+    def _limiter(self, loop: asyncio.AbstractEventLoop) -> anyio.CapacityLimiter:
+        limiter = self._limiters.get(loop)
+        if limiter is None:
+            limiter = self._limiters[loop] = anyio.CapacityLimiter(self.threads)
+        return limiter
+
+    def _user_loop(self) -> asyncio.AbstractEventLoop:
+        with self._lock:
+            if self._loop is None:
+                loop = asyncio.new_event_loop()
+                self._thread = threading.Thread(target=_serve, args=(loop,), name=f"{self.name} loop", daemon=True)
+                self._thread.start()
+                self._loop = loop
+            return self._loop
+
+
+def _done_inside(outer: _Call | None) -> None:
+    if outer is not None:
+        outer.inner = None
+
+
+def current() -> UserCode:
+    """The runner of the call this code runs in (a tool called from an environment's step is
+    run by the step's runner); outside any call, the process's default."""
+    call = _CALL.get(None)
+    return call.runner if call is not None else _default()
+
+
+_DEFAULT: list[UserCode] = []
+
+
+def _default() -> UserCode:
+    if not _DEFAULT:
+        _DEFAULT.append(UserCode(name="user-code (default)"))
+    return _DEFAULT[0]
+
+
+def is_async(fn) -> bool:
+    """Whether calling `fn` gives a coroutine: an `async def`, a partial of one, or an object
+    whose `__call__` is one."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+
+
+def _serve(loop: asyncio.AbstractEventLoop) -> None:
+    asyncio.set_event_loop(loop)
+    loop.run_forever()
+
+
+async def _invoke(make: Callable, call: _Call):
+    _CALL.set(call)  # this task's own context: code it calls (a tool) finds its runner and call
+    return await make()
+
+
+def _work(loop: asyncio.AbstractEventLoop, done: asyncio.Future, fn, args) -> None:
+    """A worker thread's body: fn(*args), its outcome handed to the waiting loop."""
+    try:
+        result, error = fn(*args), None
+    except BaseException as exc:  # noqa: BLE001 - the caller re-raises it
+        result, error = None, exc
+    try:
+        loop.call_soon_threadsafe(_settle, done, result, error)
+    except RuntimeError:  # the loop is closed: nobody waits for an abandoned call
+        if inspect.iscoroutine(result):
+            result.close()
+
+
+def _settle(done: asyncio.Future, result, error: BaseException | None) -> None:
+    if done.done():  # the caller gave up (its timeout, its cancellation)
+        if inspect.iscoroutine(result):
+            result.close()
+        return
+    if error is not None:
+        done.set_exception(error)
+    else:
+        done.set_result(result)
+
+
+# -- from a worker thread ----------------------------------------------------------------------------
+
+class _ThreadLoop(threading.local):
+    loop: asyncio.AbstractEventLoop | None = None
+
+    def get(self) -> asyncio.AbstractEventLoop:
+        if self.loop is None or self.loop.is_closed():
+            self.loop = asyncio.new_event_loop()
+            self._closer = _LoopCloser(self.loop)
+        return self.loop
+
+
+class _LoopCloser:
+    # Lives in the thread's local storage: when the thread ends, it is dropped and closes the loop.
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+
+    def __del__(self) -> None:
+        if not self.loop.is_running():
+            self.loop.close()
+
+
+_thread_loop = _ThreadLoop()
+
+
+def refuse_running_loop(what: str) -> None:
+    """RuntimeError when an event loop runs in this thread: `what` blocks, call it in a worker thread."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    raise RuntimeError(f"{what} blocks until its async code is done: call it in a worker thread, "
+                       "not on an event loop")
+
+
+def call_in_thread(fn: Callable, *args, **kwargs):
+    """From a worker thread: `fn(*args, **kwargs)`; an awaitable it returns runs to its end on
+    this thread's own event loop (one per thread, reused), never on the run's."""
+    result = fn(*args, **kwargs)
+    if inspect.isawaitable(result):
+        try:
+            refuse_running_loop(getattr(fn, "__qualname__", "this call"))
+        except RuntimeError:
+            if inspect.iscoroutine(result):
+                result.close()
+            raise
+        result = _thread_loop.get().run_until_complete(_await(result))
+    return result
+
+
+async def _await(awaitable):
+    return await awaitable
