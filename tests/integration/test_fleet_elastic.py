@@ -17,7 +17,6 @@ one `inflight run` that keeps training while its fleet changes under it:
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import time
@@ -76,14 +75,6 @@ def state(run_dir: Path, engine: str) -> str | None:
     return members(run_dir).get(engine, {}).get("state")
 
 
-def stop(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait(60)
-
-
 @pytest.mark.timeout(2400)
 def test_engines_join_drain_die_return_and_leave_on_sigterm_while_the_run_trains(tmp_path, rl_model):
     ports = {name: free_port() for name in ("a", "b")}
@@ -137,7 +128,7 @@ drain_s = {DRAIN_S}
         assert state(run_dir, "engine-2") == "serving" and state(run_dir, "engine-0") == "serving"
 
         # 4. Its server SIGKILLed: fenced, admission paused; restarted: back at the live version.
-        stop(servers["b"])
+        kill_group(servers["b"])
         killed_at = time.time()
         wait_for(lambda: state(run_dir, "engine-2") == "fenced", 300, proc, log, "engine-2 fenced")
         wait_for(lambda: "admission paused" in ((health(run_dir) or {}).get("degraded") or ""), 60, proc, log,
@@ -164,7 +155,7 @@ drain_s = {DRAIN_S}
         if proc is not None:
             kill_group(proc)
         for server in servers.values():
-            stop(server)
+            kill_group(server)
 
     from orchestrator.run.resume import read_journal
 
