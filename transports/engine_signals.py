@@ -78,11 +78,12 @@ def skip_final_gc_at_exit() -> None:
     the engine core a bounded wait (CORE_EXIT_WAIT_S, orchestrator.engines.inproc): every shutdown
     ended in "force killing remaining process EngineCore" and "force killing sub process
     VLLM::Worker", and the killed engine core never unlinked its rpc broadcast queue's shared
-    memory ("resource_tracker: There appear to be 1 leaked shared_memory objects"). With the heap frozen at exit the shutdown takes 1.4-1.5 s (idle or
-    mid-stream), and both processes leave on their own. vLLM does the same on ROCm for the engine
-    core (`gc.freeze()` after a clean shutdown, "process exit reclaims it"). Objects in cycles
-    are not finalized at exit then: nothing of vLLM's teardown relies on that (it closes and
-    unlinks explicitly before), and the memory goes with the process."""
+    memory ("resource_tracker: There appear to be 1 leaked shared_memory objects"). With the heap
+    frozen at exit the shutdown takes 1.4-1.5 s (idle or mid-stream), and both processes leave on
+    their own. vLLM does the same on ROCm for the engine core (`gc.freeze()` after a clean
+    shutdown, "process exit reclaims it"). Objects in cycles are not finalized at exit then:
+    nothing of vLLM's teardown relies on that (it closes and unlinks explicitly before), and the
+    memory goes with the process."""
     import atexit
     import gc
 
