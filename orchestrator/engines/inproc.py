@@ -49,12 +49,12 @@ def chunk_from_output(completion, finished: bool, prompt_token_ids=None) -> Toke
                       version_spans=spans, prompt_token_ids=prompt_token_ids if finished else None)
 
 
-# How long vLLM waits for its engine core process to leave after SIGTERM before it kills it. vLLM's
-# default is 5 s, and on CPU the core never leaves sooner (measured 2026-12-02: every shutdown of
-# tiny-rl, with or without the swap extension, ended in "force killing remaining process
-# EngineCore" after exactly 5.0 s): 5 s of every run's exit and every test's engine teardown.
-# Nothing of a stopped engine is kept, so it is killed after this.
-CORE_EXIT_WAIT_S = 1.0
+# How long vLLM waits for its engine core process to leave after SIGTERM before it kills it (and
+# its worker). The core leaves in ~1.4 s (tiny-rl, idle machine) once its processes skip the final
+# garbage collection at exit (transports.engine_signals.skip_final_gc_at_exit; before that it took
+# ~5 s, and the 1 s wait here ended every run with three force-kill warnings and a leaked shared
+# memory segment). A prompt exit returns at once; only a hung engine waits this out, then is killed.
+CORE_EXIT_WAIT_S = 5.0
 
 
 class InProcessEngine(Engine):
@@ -123,6 +123,7 @@ class InProcessEngine(Engine):
         if llm is None:
             return
         with anyio.CancelScope(shield=True), anyio.move_on_after(self.config.control_timeout_s):
+            _stop_output_handler(llm)
             await anyio.to_thread.run_sync(functools.partial(llm.shutdown, timeout=CORE_EXIT_WAIT_S))
         self._dead = True
         log.info("engine.stopped", engine=self.engine_id)
@@ -167,7 +168,8 @@ class InProcessEngine(Engine):
                         self.engine_id, f"request {request_id}: no output for {self.config.chunk_timeout_s}s") from None
                 except VllmDead as exc:
                     self._dead = True
-                    raise EngineDeadError(self.engine_id, f"request {request_id}: engine died ({exc})") from exc
+                    why = "engine shut down" if self._llm is None else f"engine died ({exc})"  # shutdown() ends streams
+                    raise EngineDeadError(self.engine_id, f"request {request_id}: {why}") from exc
                 except VllmGenerate as exc:
                     raise EngineGenerateError(self.engine_id, f"request {request_id} failed: {exc.__cause__ or exc}") from exc
                 except ValueError as exc:  # vLLM's validation of the request (bad token id, length)
@@ -258,6 +260,25 @@ class InProcessEngine(Engine):
         except VllmDead as exc:
             self._dead = True
             raise EngineDeadError(self.engine_id, f"{what}: engine died ({exc})") from exc
+
+
+def _stop_output_handler(llm) -> None:
+    """Stop AsyncLLM's output handler before its engine core is stopped. `AsyncLLM.shutdown` (run in
+    a thread) cancels the handler only at its very end, after the core has exited or been killed
+    and the client (marked dead) has closed its sockets; meanwhile the handler, still reading on
+    this loop, can get the dead core's last word or a closed socket and log "AsyncLLM
+    output_handler failed" with an EngineDeadError traceback (seen at the end of a successful run
+    under load, when the core was force-killed). Nothing reads outputs of a stopping engine; a
+    request still streaming is told at once that the engine is gone, as the handler's failure
+    would have told it (without this, it waited out chunk_timeout_s)."""
+    from vllm.v1.engine.exceptions import EngineDeadError as VllmDead
+
+    handler = getattr(llm, "output_handler", None)
+    if handler is not None and not handler.done():
+        handler.cancel()
+    processor = getattr(llm, "output_processor", None)
+    if processor is not None:
+        processor.propagate_error(VllmDead("the engine was shut down"))
 
 
 def _lora_request(adapter: AdapterRef | None):

@@ -213,3 +213,50 @@ async def test_attaching_by_url_uses_a_running_server_and_leaves_it_running(serv
     await attached.shutdown()
     # Shutting down an attached engine closes only our client, never the server.
     assert await server_engine.healthy()
+
+
+async def test_an_inproc_engine_shut_down_mid_stream_ends_the_stream_and_leaves_on_its_own(tiny_model_dir):
+    """Issue #30 item 8: the engine core and its worker exit by themselves when stopped (vLLM
+    force-killed them when they were slow: a SIGKILLed core, exit code -9, and its shared memory
+    left behind), and a request still streaming is told at once that the engine shut down (the
+    output handler is stopped before the core: no EngineDeadError traceback from vLLM)."""
+    from orchestrator.config.run import EngineConfig
+    from orchestrator.engines.inproc import CORE_EXIT_WAIT_S, InProcessEngine
+    from orchestrator.reaper import descendants
+
+    engine = InProcessEngine(EngineConfig(model=str(tiny_model_dir), kind="inproc", chunk_timeout_s=60),
+                             "stopped-mid-stream")
+    await engine.start()
+    core = engine.llm.engine_core.resources.engine_manager.processes[0]
+    started = {core.pid, *descendants(core.pid)}
+    assert len(started) >= 2  # the engine core and its worker
+    got_tokens = anyio.Event()
+    errors: list[tuple[float, BaseException]] = []
+
+    async def stream():
+        try:
+            async for chunk in engine.generate("long", [1, 2, 3], SamplingSettings(max_tokens=3000, ignore_eos=True)):
+                if chunk.token_ids:
+                    got_tokens.set()
+        except EngineDeadError as exc:
+            errors.append((anyio.current_time(), exc))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(stream)
+        await got_tokens.wait()
+        stopping = anyio.current_time()
+        await engine.shutdown()
+        took = anyio.current_time() - stopping
+    assert len(errors) == 1 and "engine shut down" in str(errors[0][1]), errors
+    assert errors[0][0] - stopping < 1.0  # at once, not after chunk_timeout_s
+    assert core.exitcode == 0, f"the engine core was killed (exit {core.exitcode}) after {took:.1f}s"
+    assert took < CORE_EXIT_WAIT_S
+    assert not [pid for pid in started if os.path.exists(f"/proc/{pid}") and _not_zombie(pid)]
+
+
+def _not_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False

@@ -230,6 +230,31 @@ def test_sigkill_of_the_orchestrator_leaves_no_process_of_the_run_after_10_s(tmp
 
 @pytest.mark.engine
 @pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_successful_run_ends_cleanly_and_its_engine_leaves_on_its_own(tmp_path, rl_model):
+    """Issue #30 item 8: the end of a run that succeeded prints no traceback, no force-kill and no
+    leaked shared memory. vLLM force-killed the engine core (and its worker) when they were slow
+    to exit, the killed core never unlinked its message queue's shared memory (the resource
+    tracker's warning), and AsyncLLM's output handler could log an EngineDeadError traceback
+    (transports.engine_signals.skip_final_gc_at_exit, InProcessEngine.shutdown). And still
+    nothing of the run is left."""
+    mark = uuid.uuid4().hex
+    run_dir = tmp_path / "run"
+    try:
+        out = subprocess.run([*INFLIGHT, "run", str(write_config(tmp_path, rl_model)), "--run-dir", str(run_dir),
+                              "--max-steps", "2"], capture_output=True, text=True, env=marked_env(mark), timeout=540)
+        output = out.stdout + out.stderr
+        assert out.returncode == 0, output[-4000:]
+        for line in ("force killing", "leaked shared_memory", "Traceback", "output_handler failed",
+                     "still running after"):
+            assert line not in output, f"{line!r} in the output:\n{output[-4000:]}"
+        assert gone_within(mark, 10) == [], "processes outlived the run"
+    finally:
+        kill_marked(mark)
+
+
+@pytest.mark.engine
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_sigint_to_the_whole_process_group_stops_gracefully_and_leaves_nothing(interrupted_run):
     """On the session's run that a Ctrl-C stopped after 5 steps (tests/conftest.py, shared with
@@ -242,8 +267,7 @@ def test_sigint_to_the_whole_process_group_stops_gracefully_and_leaves_nothing(i
     assert interrupted_run.left == [], "processes outlived the run"
     # The engine's own processes leave the Ctrl-C to the orchestrator (transports.engine_signals):
     # none of them dies of it (a worker's SystemExit, the engine core's "RuntimeError: cancelled"),
-    # and no rollout errors because the engine died under it. (vLLM's own shutdown may still log
-    # an EngineDeadError when it force-kills an engine core slow to exit on a loaded machine.)
+    # and no rollout errors because the engine died under it.
     assert "RuntimeError: cancelled" not in output and "KeyboardInterrupt" not in output, output[-4000:]
     records = list(read_records(interrupted_run.run_dir))  # strict: every record reads
     assert not [r for r in records if isinstance(r, RolloutRecord) and r.status_name == "errored"]
