@@ -92,6 +92,7 @@ class Fleet(AdapterStaging, RolloutStreams, FleetMembership):
         self._salt_unsettled: set[str] = set()
         self._salt_version: dict[str, int] = {}
         self.init_membership()
+        self._activations_begun = 0  # activations and rejoins begun: a request that spans one was not refused
 
     @classmethod
     def from_config(cls, engines: Sequence[Engine], config, **kwargs) -> Fleet:
@@ -173,6 +174,7 @@ class Fleet(AdapterStaging, RolloutStreams, FleetMembership):
             return await self._activate(version, rollback, source)
 
     async def _activate(self, version: int, rollback: bool, source: dict | None) -> act.Record:
+        self._activations_begun += 1
         coord = self.coordinator
         self._stage_source = dict(source or {})
         # Room for every engine's answer: a fixed 1000 made each answer past it wait for the loop
@@ -487,6 +489,7 @@ class Fleet(AdapterStaging, RolloutStreams, FleetMembership):
             return await self._rejoin(engine_id)
 
     async def _rejoin(self, engine_id: str) -> bool:
+        self._activations_begun += 1
         coord = self.coordinator
         send, recv = anyio.create_memory_object_stream[act.Event](100)
         done = False

@@ -100,6 +100,9 @@ class FleetCompletion:
     message: str = ""
     # What the engine reported it ran as the prompt, where it reports it (None: not reported).
     engine_prompt_token_ids: list[int] | None = None
+    # Dropped before its first token by an abort nobody here asked for, with no activation under
+    # way since it was sent: the engine refused it (a server told to stop refuses every request).
+    refused: bool = False
     # A multi-turn episode (orchestrator/run/episodes.py): the completion tokens the environment
     # wrote, [(start, end), ...] (their logprobs are NaN), and why the episode ended.
     environment_spans: list[tuple[int, int]] | None = None
@@ -188,7 +191,7 @@ class RolloutStreams:
             completion = await self._generate_once(prompt_token_ids, sampling, engine_id,
                                                    request_id if attempts == 1 else None, final_only)
             completion.attempts = attempts
-            if (completion.status == "dropped" and completion.reason in ("aborted", "engine_refused") and redispatch
+            if (completion.status == "dropped" and completion.reason == "aborted" and redispatch
                     and attempts <= self.max_redispatch):
                 continue
             return completion
@@ -211,6 +214,7 @@ class RolloutStreams:
                                        False, "dropped", "aborted", None, finished_at=time.time(),
                                        message="aborted while waiting for an activation (never sent)")
         engine = self.engines[target]
+        activations_before = self._activations_begun
         rid = request_id or f"r{uuid.uuid4().hex[:16]}"
         track = Track(rid, target, self.live_version, time.time())
         self.tracks[rid] = track
@@ -248,11 +252,6 @@ class RolloutStreams:
                 message = f"{target} left the fleet before this rollout finished (fleet.drain_s passed)"
             elif fenced:
                 status, reason = "errored", "engine_fenced"
-            elif finish == "abort" and not tokens and not (track.abort_sent or track.aborted_by_activation):
-                # Nobody here asked: the engine refused it (a server told to stop drains what it
-                # holds and aborts every new request): the membership watcher finds out why.
-                status, reason = "dropped", "engine_refused"
-                message = f"{target} aborted the request before its first token without being asked"
             elif finish == "abort":
                 status, reason = "dropped", "aborted"
             elif not reported:
@@ -300,10 +299,17 @@ class RolloutStreams:
         carried = track.kv_mode == "keep" and any(k < len(tokens) for k, _v in track.switches)
         if status == "errored" and reason in ("missing_logprobs", "version_unknown"):
             tokens, logprobs, changes = [], [], []
+        # Nobody here asked and no activation touched the engine meanwhile (its pause or abort
+        # policy can end a request before its first token): the engine refused it (a server
+        # told to stop drains what it holds and aborts every new request); the run asks why.
+        refused = (status == "dropped" and finish == "abort" and not tokens and not track.left
+                   and not (track.abort_sent or track.aborted_by_activation)
+                   and self._activations_begun == activations_before and self._events is None)
         completion = FleetCompletion(rid, target, list(prompt_token_ids), tokens, logprobs, changes,
                                      track.dispatched_version, carried, status, reason, finish,
                                      dispatched_at=track.started_at, first_token_at=track.first_token_at,
-                                     finished_at=time.time(), message=message, engine_prompt_token_ids=engine_prompt)
+                                     finished_at=time.time(), message=message, engine_prompt_token_ids=engine_prompt,
+                                     refused=refused)
         self.note_served(target, track.dispatched_version, len(tokens))
         if self.on_outcome is not None:
             self.on_outcome(completion)

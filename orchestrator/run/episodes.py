@@ -79,7 +79,7 @@ class EpisodeTurns:
             if c.status == "completed":
                 return self._turn(c, prompt_ids)
             if c.status == "dropped":
-                if c.reason == "engine_refused":
+                if c.refused:
                     loop.keeper.engine_refused(c.engine_id)
                 raise EpisodeAborted(c.message or "aborted during a turn")
             if c.reason == "engine_died":

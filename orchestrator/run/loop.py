@@ -216,7 +216,7 @@ class RunLoop:
                 entry.rewards = rewards
                 self._finished(d, completion, "completed")
             elif completion.status == "dropped":
-                if completion.reason == "engine_refused":  # down first: its replacement must go elsewhere
+                if completion.refused:  # down first: its replacement must go elsewhere
                     self.keeper.engine_refused(completion.engine_id)
                 self._finished(d, completion, "aborted", message=completion.message)
             else:

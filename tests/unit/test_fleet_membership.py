@@ -139,7 +139,31 @@ async def test_an_abort_nobody_asked_for_is_the_engine_refusing():
 
     fleet = fleet_of(Refuses("a"))
     c = await fleet.generate([1], SamplingSettings(max_tokens=3), redispatch=False)
-    assert (c.status, c.reason) == ("dropped", "engine_refused")
+    assert (c.status, c.reason) == ("dropped", "aborted") and c.refused
+
+
+async def test_an_abort_while_an_activation_ran_is_not_a_refusal():
+    """An activation's pause or abort policy can end a request before its first token."""
+    class AbortsLater(ScriptedEngine):
+        async def generate(self, request_id, prompt_token_ids, sampling, cache_salt=None):
+            await self.go.wait()
+            yield TokenChunk([], [], finished=True, finish_reason="abort")
+
+    engine = AbortsLater("a")
+    engine.go = anyio.Event()
+    fleet = fleet_of(engine)
+    await set_up(fleet)
+    async with anyio.create_task_group() as tg:
+        done: list = []
+
+        async def rollout() -> None:
+            done.append(await fleet.generate([1], SamplingSettings(max_tokens=3), redispatch=False))
+
+        tg.start_soon(rollout)
+        await anyio.sleep(0.01)
+        await fleet.activate(1)
+        engine.go.set()
+    assert done[0].status == "dropped" and not done[0].refused
 
 
 async def test_a_server_shutting_down_is_leaving_not_fenced_and_keeps_its_rollouts():
