@@ -35,7 +35,8 @@ import msgspec
 from orchestrator.cluster.placement import actor_in, bundle_of, kill_actor, release, reserve
 from orchestrator.config.cluster import ClusterConfig
 from orchestrator.config.run import EngineConfig
-from orchestrator.engines.server import ServerEngine, server_command, server_env, tail, terminate_process_group
+from orchestrator.engines.process_group import terminate_process_group
+from orchestrator.engines.server import ServerEngine, server_command, server_env, tail
 from orchestrator.errors import ConfigError, EngineDeadError
 from orchestrator.observe.logging import get_logger
 from orchestrator.reaper import die_with_parent

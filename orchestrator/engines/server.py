@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -44,6 +43,7 @@ from orchestrator.engines.base import (
     VersionSpan,
     parse_version,
 )
+from orchestrator.engines.process_group import terminate_process_group
 from orchestrator.errors import (
     ConfigError,
     EngineDeadError,
@@ -53,7 +53,6 @@ from orchestrator.errors import (
 from orchestrator.model import check_model_dir
 from orchestrator.observe.logging import get_logger
 from orchestrator.reaper import die_with_parent
-from transports.engine_signals import quit_marker
 
 log = get_logger(__name__)
 # vLLM prefixes the ids of /inference/v1/generate requests; aborts need the engine-side id.
@@ -471,50 +470,3 @@ class ServerEngine(Engine):
             return response.json()
         except ValueError:
             return {}
-
-
-def terminate_process_group(proc: subprocess.Popen, grace_s: float = 15.0) -> bool:
-    """SIGTERM a server's process group, SIGKILL what is left after grace_s, and wait until no
-    member (zombies included) remains, so that no engine process outlives us. False when the
-    leader could not be reaped."""
-    pgid = proc.pid  # started with start_new_session: the group id is the leader's pid
-    marker = quit_marker(pgid)  # our own stop: no linger after the drain (transports.engine_signals)
-    try:
-        marker.touch()
-    except OSError:
-        pass
-    try:
-        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
-            try:
-                os.killpg(pgid, sig)
-            except ProcessLookupError:
-                break
-            if _wait_group_gone(proc, pgid, wait):
-                break
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            return False
-        return True
-    finally:
-        marker.unlink(missing_ok=True)
-
-
-def _wait_group_gone(proc: subprocess.Popen, pgid: int, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        proc.poll()  # reap the leader; orphaned members are reaped by init
-        if not _group_alive(pgid):
-            return True
-        time.sleep(0.05)
-    return False
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -464,53 +464,6 @@ class Fleet(AdapterStaging, RolloutStreams, FleetMembership):
             if t.cancel is not None:
                 t.cancel.cancel()
 
-    async def mark_leaving(self, engine_id: str) -> None:
-        """The engine takes no new request and no later activation includes it; an activation
-        under way drops it without failing the version (the event joins its stream)."""
-        if self._events is not None:
-            await self._events.send(act.EngineLeaving(engine=engine_id, at=time.monotonic()))
-            return
-        await self._drop_all([a for a in self.coordinator.leave(engine_id, time.monotonic())
-                              if isinstance(a, act.DropStaged)])
-
-    def join_next(self, engine_id: str) -> None:
-        """A fenced engine comes back with the next version that goes live (see
-        `ActivationCoordinator.join_next`): the way back under a push transport, whose trainer
-        never sends the live version again. First the engine must be ready to receive (after a
-        restart: `setup` again, which keeps the other engines' receivers) and the trainer must
-        send to it again (`sync.include_engine(i)`); the next `activate` then stages, flips and
-        unfences it with the others."""
-        self.coordinator.join_next(engine_id)
-
-    async def rejoin(self, engine_id: str) -> bool:
-        """Re-sync a fenced engine to the live version; True when it serves again. (A push
-        transport never sends the live version again: use `join_next` there.)"""
-        async with self._activation_lock:
-            return await self._rejoin(engine_id)
-
-    async def _rejoin(self, engine_id: str) -> bool:
-        self._activations_begun += 1
-        coord = self.coordinator
-        send, recv = anyio.create_memory_object_stream[act.Event](100)
-        done = False
-        try:
-            async with anyio.create_task_group() as tg:
-                pending = coord.rejoin(engine_id, time.monotonic())
-                while True:
-                    self._dispatch(tg, pending, send)
-                    if any(isinstance(a, act.Unfence) for a in pending) or engine_id not in coord.rejoining:
-                        done = engine_id not in coord.fenced
-                        break
-                    pending = coord.handle(await recv.receive())
-                tg.cancel_scope.cancel()
-        finally:
-            if not done:  # cancelled mid-rejoin: the engine stays fenced, and may rejoin later
-                await self._drop_all([a for a in coord.abandon_rejoin(engine_id) if isinstance(a, act.DropStaged)])
-            self._release_reports()
-            self._settle_salts()
-            await self._resume_leftovers()
-        return done
-
 
 def _as_dict(result) -> dict:
     if isinstance(result, str):

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import os
-import secrets
 import signal
 import time
 import uuid
@@ -29,6 +28,7 @@ from orchestrator.config.run import RunConfig
 from orchestrator.errors import ConfigError, InflightError
 from orchestrator.observe.logging import get_logger
 from orchestrator.observe.progress import Progress, ProgressState, summary
+from orchestrator.run.live import run_health
 from orchestrator.run.preflight import check_model_paths, finished_steps
 from orchestrator.run.startup import StartupClock
 from orchestrator.scheduling import scheduler as sch
@@ -412,10 +412,11 @@ class Run:
         that a port in use fails the run at once, named). Until the replay log and metrics
         exist, /stats and /metrics answer 503 and /healthz says "starting"."""
         from orchestrator.observe.http import HttpServer, build_app
+        from orchestrator.run.live import live_metrics, live_stats
 
         if not self.config.http.enabled or self.http is not None:
             return
-        app = build_app(self._live_stats, self._live_metrics, self._health)
+        app = build_app(functools.partial(live_stats, self), functools.partial(live_metrics, self), self._health)
         host = self.config.http.host
         if self.cluster is not None:  # the engines on other hosts pull versions from it
             host = self.cluster.http_host(host)
@@ -424,56 +425,12 @@ class Run:
             self.http_socket = self.http.bind()
         except OSError as exc:
             raise ConfigError("http.port", f"cannot listen on {host}:{self.config.http.port}: {exc}") from None
-        self._serve_fleet_control(app)
+        from orchestrator.run.fleet_control import serve_fleet_control
 
-    def _serve_fleet_control(self, app) -> None:
-        """GET /fleet, and the token-guarded POST /fleet/engines and /fleet/engines/{id}/drain
-        (`inflight fleet add|drain RUN_DIR ...` read the token from RUN_DIR/control.token)."""
-        from orchestrator.run.fleet_keeper import fleet_routes, write_control_token
-
-        token = secrets.token_urlsafe(24)
-        write_control_token(self.run_dir, token)
-        app.router.routes.extend(fleet_routes(lambda: getattr(getattr(self, "loop", None), "keeper", None)
-                                              if getattr(self, "fleet", None) is not None
-                                              and getattr(self, "scheduler", None) is not None else None, token))
-
-    def _live_stats(self, filters) -> dict | None:
-        """/stats over the live log; None (503) while the run is starting."""
-        recorder = getattr(self, "recorder", None)
-        if recorder is None:
-            return None
-        stats = recorder.stats(filters)
-        fleet = getattr(self, "fleet", None)
-        if fleet is not None and stats is not None:  # what `inflight stats` reads from RUN_DIR/fleet.jsonl
-            from replay.query.fromlog import fleet_history
-
-            stats["fleet"] = fleet_history(self.run_dir) or []
-        return stats
-
-    def _live_metrics(self) -> bytes | None:
-        metrics = getattr(self, "metrics", None)
-        return metrics.render() if metrics is not None else None
+        serve_fleet_control(self, app)
 
     def _health(self) -> dict:
-        scheduler = getattr(self, "scheduler", None)
-        fleet = getattr(self, "fleet", None)
-        failing = getattr(getattr(self, "loop", None), "activation_failing", None)
-        health = {"ok": failing is None, "run_id": getattr(self, "run_id", None), "state": self.state,
-                  "step": scheduler.done_steps if scheduler else None,
-                  "live_version": fleet.live_version if fleet else None,
-                  "serving": list(fleet.coordinator.serving) if fleet else [],
-                  "in_flight": scheduler.inflight if scheduler else None}
-        if failing is not None:
-            health["degraded"] = f"activation failing: {failing}"
-        note = self.loop.guard.note() if getattr(self, "loop", None) is not None else None
-        if note is not None:
-            health["ok"], health["degraded"] = False, f"rollouts failing: {note}"
-        keeper = getattr(getattr(self, "loop", None), "keeper", None)
-        if fleet is not None:
-            health["engines"] = fleet.member_counts()
-        if keeper is not None and keeper.paused_why is not None:
-            health["ok"], health["degraded"] = False, keeper.paused_why
-        return health
+        return run_health(self)
 
     def _start_tracking(self) -> None:
         from orchestrator.observe.tracking import Tracking

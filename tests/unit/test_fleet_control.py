@@ -48,7 +48,7 @@ def client(token: str = "secret"):
     from starlette.applications import Starlette
     from starlette.testclient import TestClient
 
-    from orchestrator.run.fleet_keeper import fleet_routes
+    from orchestrator.run.fleet_control import fleet_routes
 
     return TestClient(Starlette(routes=fleet_routes(lambda: None, token)))
 
@@ -70,7 +70,7 @@ def test_the_control_routes_need_the_token_and_name_a_bad_body():
 
 
 def test_the_control_token_is_its_owners_only(tmp_path):
-    from orchestrator.run.fleet_keeper import write_control_token
+    from orchestrator.run.fleet_control import write_control_token
 
     path = write_control_token(tmp_path, "t0k")
     assert path.read_text().strip() == "t0k" and stat.S_IMODE(path.stat().st_mode) == 0o600
