@@ -29,7 +29,7 @@ import anyio
 
 from orchestrator.activation import coordinator as act
 from orchestrator.engines.base import Engine
-from orchestrator.errors import EngineDeadError, EngineError
+from orchestrator.errors import EngineDeadError, EngineError, EngineTimeoutError
 from orchestrator.fleet.adapters import AdapterStaging, AdapterStore
 from orchestrator.fleet.membership import FleetMembership
 from orchestrator.fleet.rollouts import (  # noqa: F401 - re-exported: the fleet's request half
@@ -343,13 +343,12 @@ class Fleet(AdapterStaging, RolloutStreams, FleetMembership):
                 self.set_state(e, "serving", f"serves version {a.version}")
                 return None
         except EngineDeadError as exc:
+            if await self._told_to_stop(engine, exc):
+                return self._leaving(e)
             return act.EngineDied(engine=e, at=now(), error=str(exc))
         except (EngineError, RuntimeError, ValueError, OSError) as exc:
-            if SHUTTING_DOWN in str(exc).lower():
-                # A server told to stop (SIGTERM) answers every control call so while it drains
-                # what it holds: leaving, not failed; the version goes on without it.
-                self.set_state(e, "draining", "its server was told to stop (SIGTERM)")
-                return act.EngineLeaving(engine=e, at=now())
+            if await self._told_to_stop(engine, exc):
+                return self._leaving(e)
             step = {act.Pause: "pause", act.Swap: "swap", act.FenceCache: "fence_cache",
                     act.SetVersion: "set_version", act.Resume: "resume", act.Drain: "drain"}.get(type(a), "stage")
             if isinstance(a, act.Stage):
@@ -443,6 +442,23 @@ class Fleet(AdapterStaging, RolloutStreams, FleetMembership):
                     tg.start_soon(resume_one, e)
             for e in list(self._deferred_aborts):
                 await self._flush_deferred_aborts(e)
+
+    @staticmethod
+    async def _told_to_stop(engine: Engine, exc: BaseException) -> bool:
+        """A server told to stop (SIGTERM) answers every control call "Server shutting down" while
+        it drains what it holds; a call caught at the moment the signal lands may fail otherwise
+        (a reset connection, a dead engine core's error), so any failure short of a timeout asks
+        the server itself before the engine is taken for failed."""
+        if SHUTTING_DOWN in str(exc).lower():
+            return True
+        if isinstance(exc, EngineTimeoutError):  # not answering: asking again would only wait
+            return False
+        return await engine.leaving()
+
+    def _leaving(self, engine_id: str) -> act.EngineLeaving:
+        """Leaving, not failed: the version goes on without it."""
+        self.set_state(engine_id, "draining", "its server was told to stop (SIGTERM)")
+        return act.EngineLeaving(engine=engine_id, at=time.monotonic())
 
     async def _flush_deferred_aborts(self, engine_id: str) -> None:
         rids = self._deferred_aborts.pop(engine_id, set())

@@ -239,8 +239,14 @@ class RunLoop:
         await self.engine_dead(engine_id, message)
 
     async def engine_dead(self, engine_id: str, message: str) -> None:
-        """Down for the scheduler, fenced in the fleet; replaced where `fleet.replace` says so."""
+        """Down for the scheduler, fenced in the fleet; replaced where `fleet.replace` says so.
+        A server told to stop (SIGTERM) may fail a request as it closes: that one leaves (its
+        drain), it is not fenced."""
         self.handle(sch.EngineDown(engine=engine_id))
+        engine = self.run.fleet.engines.get(engine_id)
+        if engine is not None and engine_id in self.run.fleet.coordinator.serving and await engine.leaving():
+            self.keeper.engine_refused(engine_id)
+            return
         await self.run.fleet.engine_died(engine_id, message)
         self.keeper.engine_lost(engine_id, message)
         self.check_serving()

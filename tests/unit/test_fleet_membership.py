@@ -166,15 +166,25 @@ async def test_an_abort_while_an_activation_ran_is_not_a_refusal():
     assert done[0].status == "dropped" and not done[0].refused
 
 
-async def test_a_server_shutting_down_is_leaving_not_fenced_and_keeps_its_rollouts():
+@pytest.mark.parametrize("error", ["shutting down", "reset", "dead"])
+async def test_a_server_shutting_down_is_leaving_not_fenced_and_keeps_its_rollouts(error):
     """A SIGTERM'd vLLM server answers every control call 'Server shutting down' while it
-    drains: an activation's call failing so marks it leaving; its rollout finishes."""
-    from orchestrator.errors import EngineGenerateError
+    drains: an activation's call failing so marks it leaving; its rollout finishes. A call
+    caught as the signal lands may fail otherwise (a reset connection, a dead engine core's
+    error): the server is asked whether it is leaving before it is taken for failed."""
+    from orchestrator.errors import EngineDeadError, EngineGenerateError
 
     class Stopping(ScriptedEngine):
         async def pause(self, mode="keep", clear_cache=True):
+            if error == "reset":
+                raise EngineGenerateError(self.engine_id, "POST /pause: ReadError: connection reset by peer")
+            if error == "dead":
+                raise EngineDeadError(self.engine_id, "EngineCore shut down")
             raise EngineGenerateError(self.engine_id, 'POST /pause answered 500: {"error": {"message": '
                                                       '"Server shutting down"}}')
+
+        async def leaving(self) -> bool:
+            return True
 
     a, b = ScriptedEngine("a"), Stopping("b")
     fleet = fleet_of(a, b)
