@@ -55,6 +55,10 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # kind="server": vLLM's --shutdown-timeout (seconds a SIGTERM lets in-flight requests finish
     # while new ones are refused); set by `inflight run` from fleet.drain_s. None: vLLM's (abort).
     shutdown_timeout_s: int | None = None
+    # kind="server": how vLLM starts the engine core and worker of a server inflight starts.
+    # "fork" (transports.server_main) skips re-importing vLLM in each: about half the start-up;
+    # "spawn" is vLLM's own (its CPU platform's choice), for a vLLM where fork misbehaves.
+    start_method: Literal["fork", "spawn"] = "fork"
 
     def validate(self) -> EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 16:

