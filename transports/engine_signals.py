@@ -35,6 +35,8 @@ import os
 import signal
 import time
 
+from transports.server_main import FORK_WORKER_ENV, fork_worker
+
 ENGINE_CHILD_ENV = "INFLIGHT_ENGINE_CHILD"
 # How long a drained engine core refuses calls before it exits (bounded by --shutdown-timeout).
 SHUTDOWN_LINGER_S = float(os.environ.get("INFLIGHT_SHUTDOWN_LINGER_S", "10"))
@@ -44,6 +46,8 @@ PR_SET_PDEATHSIG = 1
 
 def register() -> None:
     drain_paused_requests_on_shutdown()  # every engine core in this environment, ours or a user's server
+    if os.environ.get(FORK_WORKER_ENV) == "1" and multiprocessing.parent_process() is not None:
+        fork_worker()  # an in-process engine's engine core (transports.server_main)
     if multiprocessing.parent_process() is not None:  # vLLM's engine core and worker processes
         skip_final_gc_at_exit()
     if os.environ.get(ENGINE_CHILD_ENV) != "1" or multiprocessing.parent_process() is None:

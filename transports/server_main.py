@@ -36,6 +36,8 @@ import socket
 import sys
 
 VLLM_MAIN = "vllm.entrypoints.openai.api_server"
+# Set (to "1") in the environment of an in-process engine's engine core: its worker is forked.
+FORK_WORKER_ENV = "INFLIGHT_FORK_WORKER"
 # Where vLLM asks for its start method (each module imported the function by name).
 _MP_CONTEXT_USERS = ("vllm.utils.system_utils", "vllm.v1.engine.utils", "vllm.v1.executor.multiproc_executor",
                      "vllm.v1.engine.coordinator")
@@ -45,11 +47,24 @@ def _fork_context():
     return multiprocessing.get_context("fork")
 
 
-def _in_forked_child() -> None:
+def _plugins_again() -> None:
     import vllm.plugins
 
     vllm.plugins.plugins_loaded = False
+
+
+def _in_forked_server_child() -> None:
+    _plugins_again()
     close_server_sockets(_served_port())
+
+
+_hooks: set = set()
+
+
+def _at_fork(hook) -> None:
+    if hook not in _hooks:  # once a process: a plugin may be loaded again in it
+        _hooks.add(hook)
+        os.register_at_fork(after_in_child=hook)
 
 
 def _served_port() -> int | None:
@@ -88,6 +103,17 @@ def close_server_sockets(port: int | None) -> list[int]:
     return closed
 
 
+def fork_worker() -> None:
+    """In an engine core (vLLM's general plugin, `transports.engine_signals`, where
+    FORK_WORKER_ENV is set): its worker is forked from it rather than spawned. An in-process
+    engine's engine core is still spawned (its parent is the orchestrator); its worker then
+    imports nothing again."""
+    import vllm.v1.executor.multiproc_executor as executor
+
+    executor.get_mp_context = _fork_context
+    _at_fork(_plugins_again)
+
+
 def use_fork() -> None:
     """Every process vLLM starts from here on is forked (see the module's docstring)."""
     import importlib
@@ -98,7 +124,7 @@ def use_fork() -> None:
             raise RuntimeError(f"{name} has no get_mp_context: this vLLM starts its processes elsewhere; "
                                "set engine.start_method = \"spawn\"")
         module.get_mp_context = _fork_context
-    os.register_at_fork(after_in_child=_in_forked_child)
+    _at_fork(_in_forked_server_child)
 
 
 def main() -> None:

@@ -58,6 +58,7 @@ def register(sub, bench_sub) -> None:
     __import__("orchestrator.bench.orchestrator", fromlist=["register"]).register(bench_sub)
     __import__("orchestrator.bench.time_to_reward", fromlist=["register"]).register(bench_sub)
     __import__("orchestrator.bench.cluster", fromlist=["register"]).register(bench_sub)
+    __import__("orchestrator.bench.engine_start", fromlist=["register"]).register(bench_sub)
 
 
 def cmd_model_init(args: argparse.Namespace) -> int:

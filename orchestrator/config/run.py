@@ -55,9 +55,11 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # kind="server": vLLM's --shutdown-timeout (seconds a SIGTERM lets in-flight requests finish
     # while new ones are refused); set by `inflight run` from fleet.drain_s. None: vLLM's (abort).
     shutdown_timeout_s: int | None = None
-    # kind="server": how vLLM starts the engine core and worker of a server inflight starts.
-    # "fork" (transports.server_main) skips re-importing vLLM in each: about half the start-up;
-    # "spawn" is vLLM's own (its CPU platform's choice), for a vLLM where fork misbehaves.
+    # How vLLM starts the engine's processes. "fork" (transports.server_main): a server's engine
+    # core and worker are forked from its API server, an in-process engine's worker from its
+    # engine core (which is spawned: its parent is the orchestrator), so vLLM is not imported
+    # again in each; about half a server's start-up. "spawn": vLLM's own (its CPU platform's
+    # choice), for a vLLM where fork misbehaves.
     start_method: Literal["fork", "spawn"] = "fork"
 
     def validate(self) -> EngineConfig:

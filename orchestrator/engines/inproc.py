@@ -30,6 +30,7 @@ from orchestrator.errors import (
 )
 from orchestrator.model import check_model_dir
 from orchestrator.observe.logging import get_logger
+from transports.server_main import FORK_WORKER_ENV
 
 log = get_logger(__name__)
 
@@ -74,6 +75,8 @@ class InProcessEngine(Engine):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(self.config.kv_cache_gib)))
         for key, value in SKIP_ISA_PROBE.items():  # inherited by the engine core and worker
             os.environ.setdefault(key, value)
+        # The engine core (spawned: its parent is this process) forks its worker (transports.server_main).
+        os.environ[FORK_WORKER_ENV] = "1" if self.config.start_method == "fork" else "0"
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
