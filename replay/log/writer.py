@@ -194,10 +194,14 @@ class ReplayLog:
     def _start_segment(self, index: int) -> None:
         path = os.path.join(self.log_dir, segment_name(index))
         file = self._fs.open_append(path)
-        file.truncate(0)  # a leftover from an earlier failed attempt is never valid
-        file.write(segment_header(index))
-        file.sync()
-        self._fs.sync_dir(self.log_dir)  # the new name must survive a crash too
+        try:
+            file.truncate(0)  # a leftover from an earlier failed attempt is never valid
+            file.write(segment_header(index))
+            file.sync()
+            self._fs.sync_dir(self.log_dir)  # the new name must survive a crash too
+        except BaseException:
+            _close_quietly(file)  # not kept: the first error is the one that counts
+            raise
         self._use(file, index, SEGMENT_HEADER.size)
 
     # -- appending ----------------------------------------------------------------------------
@@ -233,12 +237,22 @@ class ReplayLog:
             if offset + frame_bytes > self.segment_bytes and offset > SEGMENT_HEADER.size:
                 self._roll_over()  # writes and syncs what the old segment had waiting
                 offset = self._size
-            prefix = _pack_prefix(FRAME_MAGIC, length, _crc(scratch))
             buffer = self._buffer
-            buffer += prefix
-            buffer += _pack_header_crc(_crc(prefix))
-            buffer += scratch
-            self._size = offset + frame_bytes
+            mark = len(buffer)
+            try:
+                prefix = _pack_prefix(FRAME_MAGIC, length, _crc(scratch))
+                buffer += prefix
+                buffer += _pack_header_crc(_crc(prefix))
+                buffer += scratch
+                self._size = offset + frame_bytes
+            except BaseException:
+                # A frame goes into the buffer in three pieces. Interrupted in between (a signal's
+                # KeyboardInterrupt, a MemoryError growing the buffer), the part already there
+                # would reach the disk with the next batch: a torn frame with whole ones after it,
+                # which readers must report as corruption. Cut it off: the log stays as it was.
+                del buffer[mark:]
+                self._size = offset
+                raise
             if len(buffer) >= WRITE_BUFFER_BYTES:
                 self._write_buffer()
             seq = self._seq = self._seq + 1
@@ -274,8 +288,12 @@ class ReplayLog:
         self._durable.notify_all()
 
     def _roll_over(self) -> None:
+        """Write and sync the frames the old segment has waiting, close it, start the next."""
         self._sync_locked()
-        self._guarded(self._file.close)  # type: ignore[union-attr]
+        # Forgotten before it is closed: if starting the next segment fails, close() must not
+        # close it again (its descriptor number may by then belong to another file).
+        old, self._file = self._file, None
+        self._guarded(old.close)  # type: ignore[union-attr]
         self._guarded(self._start_segment, self._segment_index + 1)
 
     def _guarded(self, operation, *args):  # type: ignore[no-untyped-def]
@@ -355,10 +373,7 @@ class ReplayLog:
                 self._closed = True
                 self._durable.notify_all()
                 if self._file is not None:
-                    try:
-                        self._file.close()
-                    except OSError:
-                        log.exception("replay.close_failed")
+                    _close_quietly(self._file)
                 self._release_lock()
 
     def __enter__(self) -> ReplayLog:
@@ -366,3 +381,10 @@ class ReplayLog:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _close_quietly(file: AppendFile) -> None:
+    try:
+        file.close()
+    except OSError:
+        log.exception("replay.close_failed")
