@@ -35,6 +35,7 @@ and the coordinator ignores timers of finished phases. Failures:
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -47,6 +48,8 @@ from orchestrator.activation.messages import (  # noqa: F401 - the coordinator's
 )
 from orchestrator.activation.rejoin import CoordinatorError, RejoinSteps  # noqa: F401 - re-exported
 from orchestrator.config.run import PhaseTimeouts  # noqa: F401 - re-exported (activation.PhaseTimeouts)
+
+HISTORY_KEPT = 64
 
 
 @dataclass
@@ -94,7 +97,9 @@ class ActivationCoordinator(RejoinSteps):
         self._kv_kept = False
         self.messages: list[str] = []
         self._token = 0
-        self.history: list[Record] = []
+        # The last activations' records, for a debugger's eye; bounded: a run activates every step
+        # for days (the replay log keeps them all).
+        self.history: deque[Record] = deque(maxlen=HISTORY_KEPT)
         # rejoining engines: engine -> step ("stage", "swap", "fence_cache", "set_version", "resume")
         self.rejoining: dict[str, str] = {}
         self._rejoin_tokens: dict[str, int] = {}

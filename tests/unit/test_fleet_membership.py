@@ -241,3 +241,14 @@ def test_an_engine_leaving_mid_activation_drops_out_and_the_version_goes_live(wh
     assert c.live_version == 1 and records and records[-1].outcome != "rolled_back"
     assert not any(isinstance(x, (act.Swap, act.SetVersion)) and x.engine == "b" for x in seen)
     assert "b" in c.leaving and "b" not in c.serving
+
+
+def test_the_coordinator_keeps_a_bounded_history_of_its_activations():
+    """A run activates every step for days: the coordinator keeps its last records only (the
+    replay log holds every one)."""
+    c = act.ActivationCoordinator(["a"])
+    for version in range(1, act.HISTORY_KEPT + 11):
+        _answer(c, c.begin(version, 0.0))
+        assert c.live_version == version
+    assert len(c.history) == act.HISTORY_KEPT
+    assert [r.version for r in c.history][-1] == act.HISTORY_KEPT + 10
