@@ -68,6 +68,7 @@ class FleetKeeper:
 
     # -- the task ----------------------------------------------------------------------------
     async def main(self) -> None:
+        joined_before = joined_urls(self._log_path) if getattr(self.run, "resume", False) else []
         self.log_states()
         try:
             async with anyio.create_task_group() as tg:
@@ -75,6 +76,8 @@ class FleetKeeper:
                 self.fleet.on_member_change = self._changed
                 tg.start_soon(self._probe)
                 tg.start_soon(self._watch_minimum)
+                if joined_before:
+                    tg.start_soon(self._join_again, joined_before)
                 await anyio.sleep_forever()
         finally:
             self.fleet.on_member_change = None
@@ -171,6 +174,20 @@ class FleetKeeper:
                 self.busy.discard(engine_id)
 
         return await self._in_group(join)
+
+    async def _join_again(self, urls: list[str]) -> None:
+        """--resume: the servers that had joined by URL and not left when the run stopped join
+        again, each checked as any joiner is; one that does not answer, or serves something else,
+        is logged and left out (the run goes on with the engines it has)."""
+        for url in urls:
+            try:
+                result = await self.add_url(url)
+            except FleetRefused as exc:
+                log.warning("fleet.not_joined_again", url=url, field=exc.field, error=exc.reason)
+            except Exception as exc:  # noqa: BLE001 - a server that is gone: named, the run goes on
+                log.warning("fleet.not_joined_again", url=url, error=f"{type(exc).__name__}: {exc}")
+            else:
+                log.info("fleet.joined_again", url=url, engine=result.get("engine"))
 
     async def _join_url(self, url: str, engine_id: str) -> dict:
         from orchestrator.engines.server import ServerEngine
@@ -435,3 +452,27 @@ def _replaceable(engine) -> bool:
 async def _answers_again(engine) -> bool:
     check = getattr(engine, "answers_again", None)
     return bool(check is not None and await check())
+
+
+def joined_urls(path: Path) -> list[str]:
+    """The URLs of the servers that joined by `fleet add` (RUN_DIR/fleet.jsonl) and had not left,
+    been lost or refused at its last line of them, in the order they joined."""
+    last: dict[str, dict] = {}
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return []
+    for line in lines:
+        try:
+            member = json.loads(line)
+        except ValueError:  # a line torn by a crash mid-write
+            continue
+        if isinstance(member, dict) and member.get("engine"):
+            last[member["engine"]] = member
+    urls = []
+    for member in last.values():
+        url = member.get("url")
+        if member.get("source") == "fleet add" and url and member.get("state") not in ("left", "lost", "refused") \
+                and url not in urls:
+            urls.append(url)
+    return urls

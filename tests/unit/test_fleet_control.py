@@ -117,3 +117,22 @@ def test_a_join_url_that_is_not_one_is_refused_naming_url():
         with pytest.raises(FleetRefused) as refused:
             anyio.run(keeper.add_url, url)
         assert refused.value.field == "url" and refused.value.status == 400
+
+
+def test_a_resume_joins_again_the_servers_that_joined_by_url_and_had_not_left(tmp_path):
+    """RUN_DIR/fleet.jsonl at the stop: engine-2 joined by URL and served, engine-3 joined and
+    left, engine-4 joined and was lost, engine-1 came from the config; a torn last line."""
+    from orchestrator.run.fleet_keeper import joined_urls
+
+    def line(engine, source, state, url=None):
+        return json.dumps({"at": 0.0, "engine": engine, "source": source, "state": state, "joined_at": 0.0,
+                           "url": url}) + "\n"
+
+    log = tmp_path / "fleet.jsonl"
+    log.write_text(line("engine-0", "config", "serving") + line("engine-1", "config", "serving", "http://h:1")
+                   + line("engine-2", "fleet add", "joining", "http://h:2") + line("engine-3", "fleet add", "joining", "http://h:3")
+                   + line("engine-2", "fleet add", "serving", "http://h:2") + line("engine-3", "fleet add", "left", "http://h:3")
+                   + line("engine-4", "fleet add", "fenced", "http://h:4") + line("engine-4", "fleet add", "lost", "http://h:4")
+                   + line("engine-5", "fleet add", "fenced", "http://h:5") + '{"at": 1.0, "engi')
+    assert joined_urls(log) == ["http://h:2", "http://h:5"]
+    assert joined_urls(tmp_path / "none.jsonl") == []
