@@ -4,6 +4,7 @@ the rest and re-exports both."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Literal
 
@@ -62,6 +63,10 @@ class TaskConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # reward` against the run's OpenAI-compatible endpoint; rows from `dataset` or `entrypoint`.
     agent: str | None = None
     agent_timeout_s: float = 600.0  # one whole episode of the agent
+    # The reward of a multi-turn episode cut at max_episode_tokens (issue #30) that no step gave
+    # one, where the environment's score does not take `truncated` (docs/multi-turn.md); an
+    # agent's, when it raised on the endpoint's context-length refusal.
+    truncation_reward: float = 0.0
 
     @property
     def scoring_pool(self) -> str:
@@ -85,6 +90,8 @@ class TaskConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ConfigError("task.agent", f"must be 'package.module:function', got {self.agent!r}")
         if not self.agent_timeout_s > 0:
             raise ConfigError("task.agent_timeout_s", f"must be > 0, got {self.agent_timeout_s}")
+        if not math.isfinite(self.truncation_reward):
+            raise ConfigError("task.truncation_reward", f"must be a finite number, got {self.truncation_reward}")
         if isinstance(self.chat_template, str) and not self.chat_template.strip():
             raise ConfigError("task.chat_template", "true (the model's template), false (none) or the path of a "
                                                     "Jinja template file, got an empty string")

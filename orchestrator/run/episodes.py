@@ -15,7 +15,9 @@ version; it ends in exactly one terminal record. Between dispatch and that end t
 The episode becomes one completion: its tokens after the first prompt, their logprobs (NaN
 where the environment wrote), per-token versions as change points (an activation between or
 during turns shows as a change point at the first token the new version sampled), the
-environment's spans, the turn count and why it ended; the reward is the episode's.
+environment's spans, the turn count and why it ended; the reward is the episode's. An episode
+cut at max_episode_tokens is completed with the reward its task gave the truncation (finish
+reason "length"), never errored: a retry would only remove long episodes from the batch.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from orchestrator.fleet.rollouts import FleetCompletion
 from orchestrator.run.records import request_id
 from orchestrator.scheduling import scheduler as sch
 from orchestrator.tasks.env import Episode, SampledTurn
+from replay.records import FINISH_LENGTH
 
 # Kinds an episode errors with (besides the engine's own).
 ENVIRONMENT_ERROR = "environment_error"
@@ -111,9 +114,14 @@ class EpisodeTurns:
         return FleetCompletion(
             request_id(self.d.rollout_id), first.engine_id, list(episode.prompt_ids), list(episode.tokens), values,
             list(episode.changes), first.dispatched_version, self.kv_carried, status, reason,
-            self.last.finish_reason, dispatched_at=first.dispatched_at, first_token_at=first.first_token_at,
+            self._finish_reason(episode), dispatched_at=first.dispatched_at, first_token_at=first.first_token_at,
             finished_at=time.time(), message=message, environment_spans=list(episode.spans),
             episode_end=episode.ended)
+
+    def _finish_reason(self, episode: Episode) -> str | None:
+        """The episode's: "length" when it was cut at max_episode_tokens (the run saw the next
+        turn would not fit), else its last turn's, as the engine reported it."""
+        return FINISH_LENGTH if episode.truncated else self.last.finish_reason
 
 
 async def episode_rollout(loop, d: sch.Dispatch) -> None:

@@ -286,7 +286,7 @@ def build_rollout_record(ctx: RolloutContext, terminal: Terminal, completion: Fl
         status = Errored(terminal.reason or "error", terminal.message[:500])
     tokens = array("i")
     logprobs = array("f")
-    changes, kv, environment, episode_end = None, False, None, None
+    changes, kv, environment, episode_end, finish_reason = None, False, None, None, None
     timings = Timings(dispatched_at=ctx.dispatched_at)
     dispatched_version, engine_id = ctx.dispatched_version, ctx.engine_id
     if completion is not None:
@@ -302,10 +302,12 @@ def build_rollout_record(ctx: RolloutContext, terminal: Terminal, completion: Fl
         kv = completion.kv_carried_across_versions
         environment = completion.environment_spans if completion.token_ids else None
         episode_end = completion.episode_end
+        finish_reason = completion.finish_reason  # what the engine (or the episode's end) said
         dispatched_version, engine_id = completion.dispatched_version, completion.engine_id
     return RolloutRecord.from_lists(
         rollout_id=ctx.rollout_id, group_id=ctx.group_id, prompt_id=ctx.prompt_id, engine_id=engine_id,
         prompt_token_ids=array("i", ctx.prompt_token_ids), completion_token_ids=tokens,
         completion_logprobs=logprobs, dispatched_version=dispatched_version, identity=identity,
         timings=timings, version_changes=changes, kv_carried_across_versions=kv, status=status,
-        rewards=dict(rewards or {}), sampling=sampling, environment_spans=environment, episode_end=episode_end)
+        rewards=dict(rewards or {}), sampling=sampling, environment_spans=environment, episode_end=episode_end,
+        finish_reason=finish_reason)

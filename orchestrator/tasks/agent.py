@@ -17,6 +17,11 @@ finish, and its later calls get 404). The episode is closed whatever happens (a 
 is cancelled). When the engine's turn failed inside a call, that failure is raised (as the run's
 own sampler raised it), whatever the agent made of its HTTP error.
 
+An episode whose last call the endpoint refused for the context length (max_episode_tokens, a
+400 worded as vLLM's) is truncated (issue #30): scored by what the agent returned, or
+`task.truncation_reward` when the agent raised (the openai client raises BadRequestError on the
+400); recorded `episode_end = max_episode_tokens`, finish reason "length", never errored.
+
 `sampling_checker(settings)` is the endpoint's `sampling_check` for a run sampling with
 `settings`: a call may repeat them, never ask for others.
 """
@@ -31,7 +36,7 @@ from collections.abc import Callable
 
 from orchestrator.errors import ConfigError, UserCodeTimeout
 from orchestrator.tasks.agent_endpoint import EPISODE_HEADER, SAMPLING_FIELDS, AgentEndpoint
-from orchestrator.tasks.env import DONE, Episode, Sampler
+from orchestrator.tasks.env import DONE, MAX_EPISODE_TOKENS, Episode, Sampler
 from orchestrator.tasks.user_code import UserCode, call_in_thread, is_async
 
 
@@ -48,7 +53,7 @@ class AgentEpisodes:
     run's runner; by default one of its own)."""
 
     def __init__(self, run_fn, endpoint: AgentEndpoint, base_url_fn: Callable[[], str], *, timeout_s: float,
-                 user_code: UserCode | None = None) -> None:
+                 user_code: UserCode | None = None, truncation_reward: float = 0.0) -> None:
         if not callable(run_fn):
             raise TypeError(f"the agent must be a function run(client, row), got {type(run_fn).__name__}")
         if not timeout_s > 0:
@@ -59,6 +64,7 @@ class AgentEpisodes:
         self.timeout_s = timeout_s
         self.name = getattr(run_fn, "__qualname__", type(run_fn).__name__)
         self.user_code = user_code or UserCode()
+        self.truncation_reward = truncation_reward
 
     async def run_episode(self, row: dict, sample: Sampler, max_tokens_per_turn: int,
                           started: Callable[[Episode], None] | None = None, max_len: int | None = None) -> Episode:
@@ -72,9 +78,12 @@ class AgentEpisodes:
             value, error = None, exc
         finally:  # also on cancellation: the episode is closed, its call in flight cancelled
             failure = self.endpoint.failure(episode_id)
+            truncated = self.endpoint.truncated(episode_id)
             episode = self.endpoint.close_episode(episode_id)
         if failure is not None:  # the engine's turn failed: raised as the run's sampler raised it
             raise failure from error
+        if truncated and episode is not None and not isinstance(error, AgentTimeout):
+            return self._truncated(episode, value, error)
         if error is not None:
             raise error
         if episode is None:
@@ -82,6 +91,15 @@ class AgentEpisodes:
                              "least one model turn (use the client it is given)")
         episode.reward = _reward(value, self.name)
         episode.ended = DONE
+        return episode
+
+    def _truncated(self, episode: Episode, value, error: AgentError | None) -> Episode:
+        """An episode whose last call was refused for the context length: cut at
+        max_episode_tokens. The agent's reward where it returned one (it read the refusal and
+        scored the truncation); `truncation_reward` where it raised (most agents raise on a 400):
+        the truncation is the episode's outcome, not the agent's error."""
+        episode.ended = MAX_EPISODE_TOKENS
+        episode.reward = self.truncation_reward if error is not None else _reward(value, self.name)
         return episode
 
     async def _run_agent(self, episode_id: str, row: dict):

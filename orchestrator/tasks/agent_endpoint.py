@@ -92,6 +92,9 @@ class _Conversation:
     scope: anyio.CancelScope | None = None
     failure: BaseException | None = None
     closed: bool = False
+    # The last call was refused for the context length (max_episode_tokens): the episode is cut
+    # there unless a later call that fits samples a turn.
+    truncated: bool = False
 
 
 class AgentEndpoint:
@@ -119,6 +122,11 @@ class AgentEndpoint:
         """What `sample` raised in this episode, if it did (the episode cannot go on)."""
         conv = self._open.get(episode_id)
         return conv.failure if conv is not None else None
+
+    def truncated(self, episode_id: str) -> bool:
+        """Whether the episode's last call was refused because the episode is full."""
+        conv = self._open.get(episode_id)
+        return conv is not None and conv.truncated
 
     def close_episode(self, episode_id: str) -> Episode | None:
         """The episode its calls built (None: no call came); a call in flight is cancelled, and
@@ -229,6 +237,7 @@ class AgentEndpoint:
         if conv.max_episode_tokens is not None:
             room = conv.max_episode_tokens - prompt_len
             if room < 1:  # worded as vLLM's: agents (verifiers) read it as "the context is full"
+                conv.truncated = conv.episode is not None  # a first prompt too long is no episode
                 raise Refused(400, where, f"This model's maximum context length is {conv.max_episode_tokens} "
                                           f"tokens; the episode's prompt would be {prompt_len} tokens")
             asked = min(asked, room)
@@ -242,6 +251,7 @@ class AgentEndpoint:
                 turn = await conv.sample(list(prompt), max_new)
                 if not conv.closed:  # a closed episode is the run's now: it is not changed after
                     conv.episode.add_sampled(turn)
+                    conv.truncated = False  # it went on after all (a shorter extension fitted)
             except Exception as exc:  # noqa: BLE001 - the episode fails; the run reads failure()
                 conv.failure = exc
                 raise Refused(502, "episode", f"the engine's turn failed: {type(exc).__name__}: {exc}") from None

@@ -17,6 +17,12 @@ mask), a logprob for every sampled token and none for the environment's, and the
 every sampled token as change points (token index, version): one episode spans versions when
 activations land between or during its turns.
 
+An episode cut by `max_episode_tokens` (the next turn would not fit) is a truncation, an outcome
+like any other (issue #30): when no step gave it a reward, the environment's `score(episode,
+row, truncated=True)` scores it where `score` takes a `truncated` parameter, else it gets the
+task's `truncation_reward` (0.0 by default). A `score` without that parameter is never called
+for a truncated episode: it was written for episodes that ended on their own terms.
+
 `ToolEnvironment` is an environment whose tools are plain Python functions
 (`tools.tool_schema` describes them in the system prompt); each model turn's tool calls are
 parsed (Hermes / Qwen format) and run, their results (or errors) answer as `tool` messages; a
@@ -28,13 +34,15 @@ the loop that the episodes' steps share, each bounded by `step_timeout_s`.
 
 from __future__ import annotations
 
+import inspect
 import json
+import math
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from orchestrator.tasks.tools import MalformedToolCall, call_tool, parse_tool_calls, tool_schema
 from orchestrator.tasks.turns import TurnRenderer
-from orchestrator.tasks.user_code import current
+from orchestrator.tasks.user_code import current, is_async
 
 # Why an episode ended (Episode.ended).
 DONE = "done"  # the environment said so
@@ -89,6 +97,11 @@ class Episode:
     state: dict = field(default_factory=dict)  # the environment's own, per episode
     spans: list[tuple[int, int]] = field(default_factory=list)  # (start, end) in tokens the environment wrote
 
+    @property
+    def truncated(self) -> bool:
+        """Cut at max_episode_tokens: the next model turn would not fit."""
+        return self.ended == MAX_EPISODE_TOKENS
+
     def next_prompt(self) -> list[int]:
         return self.prompt_ids + self.tokens
 
@@ -141,15 +154,55 @@ EnvCall = Callable[..., Awaitable]
 
 async def run_episode(env: Environment, renderer: TurnRenderer, sample: Sampler, row: dict,
                       max_tokens_per_turn: int, *, call: EnvCall | None = None,
-                      started: Callable[[Episode], None] | None = None, max_len: int | None = None) -> Episode:
+                      started: Callable[[Episode], None] | None = None, max_len: int | None = None,
+                      truncation_reward: float = 0.0) -> Episode:
     """One episode to its end (`Episode.ended`); `sample` runs one turn on an engine, `call`
     runs the environment's `reset` and `step` (default: an async one on this loop, a plain one
     in a worker thread, each bounded by `env.step_timeout_s`); `started(episode)` is told the
     episode once it exists (so a caller can record what it holds if a later turn fails);
     `max_len` (the engines' context length) lowers the environment's `max_episode_tokens`
-    where it is smaller."""
-    limit = min(env.max_episode_tokens, max_len) if max_len else env.max_episode_tokens
+    where it is smaller. A truncated episode without a reward is scored (`score_truncated`),
+    `truncation_reward` where the environment's `score` does not take `truncated`."""
     call = call or _on_this_loop(env.step_timeout_s)
+    episode = await _turns(env, renderer, sample, row, max_tokens_per_turn, call, started, max_len)
+    if episode.truncated and episode.reward is None and episode.turns:
+        episode.reward = await score_truncated(env, episode, call, truncation_reward)
+    return episode
+
+
+async def score_truncated(env, episode: Episode, call: EnvCall, truncation_reward: float) -> float:
+    """The reward of an episode cut at max_episode_tokens: `env.score(episode, row,
+    truncated=True)` where the environment's `score` takes `truncated`, else `truncation_reward`."""
+    score = getattr(env, "score", None)
+    if not callable(score) or not _takes_truncated(score):
+        return float(truncation_reward)
+    if is_async(score):
+        async def scored(episode, row):
+            return await score(episode, row, truncated=True)
+    else:
+        def scored(episode, row):
+            return score(episode, row, truncated=True)
+    scored.__name__ = "score"  # the runner's timeout message names "the environment's score"
+    value = await call(scored, episode, episode.row)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise TypeError(f"the environment's score(..., truncated=True) returned {value!r}: a finite number")
+    return float(value)
+
+
+def _takes_truncated(fn) -> bool:
+    """Whether `fn` accepts a keyword `truncated` (named, or through **kwargs)."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: it cannot be told
+        return False
+    return any(p.name == "truncated" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+               or p.kind == p.VAR_KEYWORD for p in parameters)
+
+
+async def _turns(env: Environment, renderer: TurnRenderer, sample: Sampler, row: dict, max_tokens_per_turn: int,
+                 call: EnvCall, started: Callable[[Episode], None] | None, max_len: int | None) -> Episode:
+    """The episode's turns, until it ends (`Episode.ended`)."""
+    limit = min(env.max_episode_tokens, max_len) if max_len else env.max_episode_tokens
     messages = _messages(await call(env.reset, row), "reset")
     episode = Episode(row=row, messages=messages, prompt_ids=renderer.first_prompt(messages))
     if started is not None:

@@ -42,10 +42,12 @@ def is_environment(made) -> bool:
 class EnvironmentEpisodes:
     """Runs episodes of one environment, its code through `user_code` (the run's runner)."""
 
-    def __init__(self, env, renderer: TurnRenderer, *, where: str = "task", user_code: UserCode | None = None) -> None:
+    def __init__(self, env, renderer: TurnRenderer, *, where: str = "task", user_code: UserCode | None = None,
+                 truncation_reward: float = 0.0) -> None:
         self.env = env
         self.renderer = renderer
         self.user_code = user_code or UserCode()
+        self.truncation_reward = truncation_reward  # task.truncation_reward: a cut episode's, by default
         for name, default in (("max_turns", 4), ("max_episode_tokens", 1024), ("step_timeout_s", 30.0)):
             value = getattr(env, name, default)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
@@ -55,7 +57,8 @@ class EnvironmentEpisodes:
     async def run_episode(self, row: dict, sample: Sampler, max_tokens_per_turn: int,
                           started: Callable[[Episode], None] | None = None, max_len: int | None = None) -> Episode:
         return await run_episode(self.env, self.renderer, sample, row, max_tokens_per_turn,
-                                 call=self._call, started=started, max_len=max_len)
+                                 call=self._call, started=started, max_len=max_len,
+                                 truncation_reward=self.truncation_reward)
 
     async def _call(self, fn, *args):
         """An environment call through the runner (on the run's loop for an async environment
@@ -125,7 +128,8 @@ def environment_task(made, tokenizer, config: TaskConfig, *, where: str, scan: b
     engine ends a turn on (`templates.engine_stop_ids`); `user_code`: the run's runner."""
     sends, may_send = environment_roles(made)
     renderer = checked_renderer(tokenizer, config, where, stop_ids=stop_ids, sends=sends, may_send=may_send)
-    runner = EnvironmentEpisodes(made, renderer, where=where, user_code=user_code)
+    runner = EnvironmentEpisodes(made, renderer, where=where, user_code=user_code,
+                                 truncation_reward=config.truncation_reward)
     name = config.id or getattr(made, "name", None) or config.task_id
     if callable(getattr(made, "row", None)):
         return EpisodeTask(tokenizer, config, name=str(name), runner=runner, renderer=renderer, source=made,
@@ -184,7 +188,8 @@ def agent_task(run_fn, tokenizer, config: TaskConfig, *, where: str, scan: bool,
             raise RuntimeError("the agent endpoint is not served yet")
         return url
 
-    runner = AgentEpisodes(run_fn, endpoint, base_url, timeout_s=config.agent_timeout_s, user_code=user_code)
+    runner = AgentEpisodes(run_fn, endpoint, base_url, timeout_s=config.agent_timeout_s, user_code=user_code,
+                           truncation_reward=config.truncation_reward)
     name = config.id or getattr(source, "name", None) or config.task_id
     task = EpisodeTask(tokenizer, config, name=str(name), runner=runner, renderer=renderer, rows=rows,
                        source=source, where=where, scan=scan, agent_endpoint=endpoint)

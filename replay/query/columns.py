@@ -19,6 +19,7 @@ import numpy as np
 from replay.query.ledger import CONSUMED, DISCARDED, Claim, Ledger, claims_of
 from replay.query.summary import ROLLOUT_DTYPES, RUN_DTYPES  # noqa: F401 - re-exported
 from replay.records import (
+    FINISH_LENGTH,
     ActivationRecord,
     Completed,
     ConsumptionRecord,
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
 
 NOT_CONSUMED: Final = -1
 NOT_DISCARDED: Final = -1
+NO_FINISH_REASON: Final = -1
 REWARD_KEY: Final = "reward"  # the reward component per_step's reward_mean averages
 _STATUS_CODE: Final = {Completed: 0, Dropped: 1, Errored: 2}
 
@@ -61,6 +63,9 @@ class Columns:
     reward: np.ndarray  # float64 rewards["reward"]; NaN (internal only) when it has none
     env_tokens: np.ndarray  # int64 completion tokens an episode's environment wrote (0: single turn)
     turns: np.ndarray  # int32 model turns (1 for a single-turn rollout, 0 with no completion)
+    # int8: 1 finish reason "length" (cut by max_tokens or max_episode_tokens), 0 another one,
+    # NO_FINISH_REASON (-1) none recorded (no engine answered; a log written before the field)
+    truncated: np.ndarray
     # version runs
     seg_row: np.ndarray  # int64 rollout row
     seg_version: np.ndarray  # int64
@@ -197,6 +202,8 @@ class ColumnBuilder:
         columns["reward"].append(math.nan if reward is None else float(reward))
         columns["env_tokens"].append(env_tokens)
         columns["turns"].append(rec.turns)
+        columns["truncated"].append(NO_FINISH_REASON if rec.finish_reason is None
+                                    else int(rec.finish_reason == FINISH_LENGTH))
         self._discarded.append(NOT_DISCARDED)
         if self._ledger.pending:  # a claim may have come before this rollout: the ledger decides
             self._consumed.append(NOT_CONSUMED)

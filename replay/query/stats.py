@@ -8,7 +8,7 @@ from typing import Any, Final
 import msgspec
 import numpy as np
 
-from replay.query.columns import NOT_CONSUMED, NOT_DISCARDED, Columns
+from replay.query.columns import NO_FINISH_REASON, NOT_CONSUMED, NOT_DISCARDED, Columns
 from replay.records import DISCARD_STALE, DROP_STALE, STATUS_NAMES
 
 PERCENTILES: Final = (50, 90, 99)
@@ -104,6 +104,13 @@ def _turns(columns: Columns, mask: np.ndarray) -> dict[str, float | int] | None:
     return {"mean": float(turns.mean()), "max": int(turns.max())}
 
 
+def _truncated_share(columns: Columns, mask: np.ndarray) -> float | None:
+    """The share of completed rollouts cut by a length limit (finish reason "length"), among
+    those whose finish reason is recorded; None when none is (logs written before the field)."""
+    known = columns.truncated[mask & (columns.status == 0) & (columns.truncated != NO_FINISH_REASON)]
+    return _fraction(int((known == 1).sum()), len(known))
+
+
 def compute_stats(columns: Columns, filters: Filters | None = None) -> dict[str, Any]:
     """Every statistic `inflight stats --json` prints (but `log`), as JSON-ready values."""
     filters = filters or Filters()
@@ -141,6 +148,7 @@ def compute_stats(columns: Columns, filters: Filters | None = None) -> dict[str,
         "errored_by_kind": _detail_counts(columns.detail[mask & (columns.status == 2)],
                                           columns.error_kinds),
         "turns": _turns(columns, mask),
+        "truncated_share": _truncated_share(columns, mask),
         "environment_token_share": _fraction(int(columns.env_tokens[with_tokens].sum()),
                                              int(columns.env_tokens[with_tokens].sum() + tokens.sum())),
         "activations": _activation_stats(columns, filters),

@@ -15,7 +15,8 @@ from replay.records import ActivationRecord, ConsumptionRecord, DiscardRecord, E
 ROLLOUT_DTYPES: Final = {
     "rollout_id": np.int64, "engine": np.int32, "status": np.int8, "detail": np.int32,
     "dispatched": np.int64, "span_start": np.int64, "span_end": np.int64, "n_versions": np.int32,
-    "n_tokens": np.int64, "reward": np.float64, "env_tokens": np.int64, "turns": np.int32}
+    "n_tokens": np.int64, "reward": np.float64, "env_tokens": np.int64, "turns": np.int32,
+    "truncated": np.int8}
 RUN_DTYPES: Final = {"seg_row": np.int64, "seg_version": np.int64, "seg_tokens": np.int64}
 _SUMMARY_DTYPES: Final = ROLLOUT_DTYPES | RUN_DTYPES | {"consumed": np.int64}
 

@@ -57,6 +57,7 @@ from replay.records.parts import (
     DROP_SHUTDOWN,
     DROP_STALE,
     ENGINE_FENCED,
+    FINISH_LENGTH,
     ROLLED_BACK,
     STATUS_NAMES,
     Completed,
@@ -85,7 +86,7 @@ from replay.records.types import (
 __all__ = [
     "ACTIVATED", "COMPLETED", "DEFAULT_SAMPLING", "DISCARD_GROUP_FAILED", "DISCARD_SHUTDOWN",
     "DISCARD_STALE", "DISCARD_TRAINER_LOST", "DROP_ABORTED", "DROP_GROUP_FAILED", "DROP_SHUTDOWN",
-    "DROP_STALE", "ENGINE_FENCED", "FLOAT32", "INT32", "RECORD_TAGS", "RECORD_TYPES", "ROLLED_BACK",
+    "DROP_STALE", "ENGINE_FENCED", "FINISH_LENGTH", "FLOAT32", "INT32", "RECORD_TAGS", "RECORD_TYPES", "ROLLED_BACK",
     "STATUS_NAMES", "ActivationRecord", "Completed", "ConsumptionRecord", "DiscardRecord", "EvalPrompt", "EvalRecord",
     "Dropped", "EngineActivation", "Errored", "PolicyIdentity", "Record", "RolloutRecord",
     "RunMetaRecord", "SamplingSettings", "Status", "Timings", "decode_record", "encode_record",

@@ -20,6 +20,8 @@ DISCARD_STALE: Final = "stale"  # completed, but too old for the next trainer st
 DISCARD_TRAINER_LOST: Final = "trainer_lost"  # consumed by a trainer step that crashed unfinished
 DISCARD_GROUP_FAILED: Final = "group_failed"  # another rollout of its group failed
 DISCARD_SHUTDOWN: Final = "shutdown"  # the run stopped before a trainer step consumed it
+# RolloutRecord.finish_reason of a completion or episode cut by a length limit (vLLM's word).
+FINISH_LENGTH: Final = "length"
 ACTIVATED: Final = "activated"
 ROLLED_BACK: Final = "rolled_back"
 ENGINE_FENCED: Final = "engine_fenced"

@@ -63,6 +63,11 @@ class RolloutRecord(msgspec.Struct, frozen=True, tag="rollout", tag_field="type"
     # Why a multi-turn episode ended: "done" (its environment or agent said so), "max_turns",
     # "max_episode_tokens", "malformed_tool_call"; None: not an episode (or no episode ran).
     episode_end: str | None = None
+    # Why generation ended, as observed: the engine's finish reason ("stop", "length", "abort")
+    # of a single-turn completion, of an episode's last turn, or "length" for an episode cut at
+    # its max_episode_tokens (a truncation: scored, never retried). None: not observed (no engine
+    # answered, or a log written before this field).
+    finish_reason: str | None = None
 
     def __post_init__(self) -> None:
         _check_rollout(self)
@@ -92,6 +97,7 @@ class RolloutRecord(msgspec.Struct, frozen=True, tag="rollout", tag_field="type"
         consumed_step: int | None = None,
         environment_spans: Sequence[tuple[int, int]] | None = None,
         episode_end: str | None = None,
+        finish_reason: str | None = None,
     ) -> RolloutRecord:
         """Build a record from lists/arrays.
 
@@ -123,6 +129,7 @@ class RolloutRecord(msgspec.Struct, frozen=True, tag="rollout", tag_field="type"
             consumed_step=consumed_step,
             environment_spans=_as_blob([x for span in environment_spans or () for x in span], INT32),
             episode_end=episode_end,
+            finish_reason=finish_reason,
         )
 
     # -- reading ------------------------------------------------------------------------------

@@ -125,7 +125,9 @@ def test_a_tool_episode_records_the_tool_output_as_environment_tokens(tmp_path):
         assert all(math.isnan(x) for x in r.logprobs()[start:end])
     assert any("<|im_start|>tool\n3<|im_end|>" in t for t in answers), answers  # add(1, 2) answered
     ends = {r.episode_end for r in records}
-    assert ends <= {"done", "malformed_tool_call", "max_turns"}
+    assert ends <= {"done", "malformed_tool_call", "max_turns", "max_episode_tokens"}  # a cut one is completed too
+    assert all(r.finish_reason == "length" for r in records if r.episode_end == "max_episode_tokens")
+    assert all(r.finish_reason in ("stop", "length") for r in records), "the engine's, recorded"
     assert all(r.rewards["reward"] == 0.0 for r in records if r.episode_end == "malformed_tool_call")
     consumed = {rid for c in read_records(run_dir) if isinstance(c, ConsumptionRecord) for rid in c.rollout_ids}
     assert consumed & {r.rollout_id for r in called}, "the trainer consumed no tool episode"

@@ -21,7 +21,7 @@ from transformers import AutoTokenizer
 from orchestrator.tasks.agent_endpoint import EPISODE_HEADER, AgentEndpoint
 from orchestrator.errors import ConfigError
 from orchestrator.tasks.agent import AgentEpisodes, AgentError, AgentTimeout, sampling_checker
-from orchestrator.tasks.env import DONE, Environment, run_episode
+from orchestrator.tasks.env import DONE, MAX_EPISODE_TOKENS, Environment, run_episode
 from orchestrator.tasks.turns import TurnRenderer
 from orchestrator.tasks.user_code import UserCode
 from replay.records import SamplingSettings
@@ -382,6 +382,39 @@ async def test_an_agents_episode_is_its_calls_and_its_reward_what_it_returns(liv
 
     ep = await agents(endpoint, url, sync_run).run_episode({}, Script(renderer, ["1"]), 16)
     assert ep.reward == 1.0 and isinstance(ep.reward, float)
+
+
+async def test_an_agents_episode_refused_for_its_context_length_is_truncated_and_scored(live, renderer):
+    endpoint, url = live
+    first = len(renderer.first_prompt([user("hi")]))
+
+    async def talks_on(client, row):  # most agents: the 400 raises BadRequestError out of run()
+        messages = [user("hi")]
+        while True:
+            reply = (await client.chat.completions.create(model="m", messages=messages)).choices[0].message.content
+            messages += [assistant(reply), user("more")]
+
+    async def reads_the_refusal(client, row):  # a careful agent scores the cut itself
+        try:
+            await talks_on(client, row)
+        except openai.BadRequestError as exc:
+            assert "maximum context length" in str(exc)
+            return -0.5
+
+    for run_fn, reward in [(talks_on, 0.25), (reads_the_refusal, -0.5)]:
+        runner = AgentEpisodes(run_fn, endpoint, lambda: url, timeout_s=30.0, truncation_reward=0.25)
+        sampler = Script(renderer, ["1 2 3 4 5 6 7 8", "1"], stop=False)
+        ep = await runner.run_episode({}, sampler, 64, max_len=first + 4)
+        assert (ep.ended, ep.truncated, ep.reward, ep.turns) == (MAX_EPISODE_TOKENS, True, reward, 1), run_fn
+    assert not endpoint._open
+
+    async def raises_after_a_turn(client, row):  # a failure with room left is the agent's error
+        await client.chat.completions.create(model="m", messages=[user("hi")])
+        raise KeyError("answer")
+
+    with pytest.raises(AgentError, match="raised KeyError"):
+        await AgentEpisodes(raises_after_a_turn, endpoint, lambda: url, timeout_s=30.0).run_episode(
+            {}, Script(renderer, ["1"]), 16, max_len=first + 64)
 
 
 async def test_an_agent_that_fails_returns_no_number_or_never_calls_is_a_named_error(live, renderer):

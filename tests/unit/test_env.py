@@ -99,6 +99,93 @@ async def test_the_turn_and_token_limits_end_an_episode(renderer):
     assert all(len(p) < 40 for p in sampler.prompts)
 
 
+class Rambling(Feedback):
+    """Never done, never a reward: only max_episode_tokens ends it."""
+
+    max_turns = 99
+    max_episode_tokens = 40
+
+    async def step(self, episode):
+        return [{"role": "user", "content": "more"}], None, False
+
+
+def rambling(renderer) -> Script:
+    return Script(renderer, ["word " * 30] * 9, [0] * 9, stop=False)
+
+
+async def test_a_truncated_episode_is_scored_by_a_score_that_takes_truncated(renderer):
+    class Judged(Rambling):
+        def __init__(self):
+            self.calls = []
+
+        def score(self, episode, row, truncated=False):
+            self.calls.append((episode.turns, row, truncated))
+            return -0.5
+
+    env = Judged()
+    ep = await run_episode(env, renderer, rambling(renderer), {"n": 1}, 64, truncation_reward=0.25)
+    assert ep.ended == MAX_EPISODE_TOKENS and ep.truncated
+    assert env.calls == [(ep.turns, {"n": 1}, True)], "called once, told the episode was cut"
+    assert ep.reward == -0.5, "its own value, not truncation_reward"
+
+
+async def test_an_async_score_with_only_keyword_truncated_is_awaited(renderer):
+    class Judged(Rambling):
+        async def score(self, episode, row, *, truncated):
+            return 0.75 if truncated else 1.0
+
+    ep = await run_episode(Judged(), renderer, rambling(renderer), {"n": 1}, 64)
+    assert (ep.ended, ep.reward) == (MAX_EPISODE_TOKENS, 0.75)
+
+
+@pytest.mark.parametrize("with_score", [False, True])
+async def test_a_truncated_episode_gets_truncation_reward_when_score_cannot_be_told(renderer, with_score):
+    calls = []
+
+    class Plain(Rambling):
+        if with_score:
+            def score(self, episode, row):  # written for episodes that ended on their own terms
+                calls.append(episode.turns)
+                return 1.0
+
+    ep = await run_episode(Plain(), renderer, rambling(renderer), {"n": 1}, 64, truncation_reward=0.25)
+    assert (ep.ended, ep.reward) == (MAX_EPISODE_TOKENS, 0.25)
+    assert calls == [], "a score without `truncated` is never called for a cut episode"
+    ep = await run_episode(Plain(), renderer, rambling(renderer), {"n": 1}, 64)
+    assert ep.reward == 0.0, "the default truncation_reward"
+
+
+async def test_a_reward_a_step_gave_stands_and_a_truncated_score_must_be_a_number(renderer):
+    class Early(Rambling):
+        async def step(self, episode):
+            return [{"role": "user", "content": "more"}], 0.5, False
+
+        def score(self, episode, row, truncated=False):
+            raise AssertionError("not called: the episode has a reward")
+
+    ep = await run_episode(Early(), renderer, rambling(renderer), {"n": 1}, 64, truncation_reward=0.25)
+    assert (ep.ended, ep.reward) == (MAX_EPISODE_TOKENS, 0.5)
+
+    class Bad(Rambling):
+        def score(self, episode, row, truncated=False):
+            return float("nan")
+
+    with pytest.raises(TypeError, match="truncated=True"):
+        await run_episode(Bad(), renderer, rambling(renderer), {"n": 1}, 64)
+
+
+async def test_an_episode_that_ends_otherwise_is_not_scored_as_truncated(renderer):
+    class Judged(Rambling):
+        max_turns = 2
+        max_episode_tokens = 1 << 20
+
+        def score(self, episode, row, truncated=False):
+            raise AssertionError("only a truncated episode is scored here")
+
+    ep = await run_episode(Judged(), renderer, rambling(renderer), {"n": 1}, 8, truncation_reward=0.25)
+    assert (ep.ended, ep.reward, ep.truncated) == (MAX_TURNS, None, False)
+
+
 async def test_a_step_past_its_timeout_fails_the_episode(renderer):
     class Slow(Feedback):
         step_timeout_s = 0.05

@@ -65,6 +65,29 @@ def test_a_malformed_agent_path_and_timeout_are_refused_by_the_config():
     assert refused.value.field == "task.agent_timeout_s"
 
 
+@pytest.mark.parametrize("text", ["truncation_reward = nan", "truncation_reward = -inf",
+                                  "truncation_reward = \"zero\"", "truncation_reward = true"])
+def test_a_truncation_reward_that_is_not_a_finite_number_is_refused_naming_it(tmp_path, text):
+    from orchestrator.config.run import load_config
+
+    (tmp_path / "bad.toml").write_text(f"[task]\n{text}\n")
+    with pytest.raises(ConfigError) as refused:
+        load_config(tmp_path / "bad.toml")
+    assert refused.value.field == "task.truncation_reward"
+
+
+def test_the_truncation_reward_reaches_an_environments_and_an_agents_episodes(tmp_path):
+    from orchestrator.config.run import load_config
+
+    (tmp_path / "ok.toml").write_text("[task]\ntruncation_reward = -1\n")
+    assert load_config(tmp_path / "ok.toml").task.truncation_reward == -1.0
+    env = make_task(TaskConfig(entrypoint=DIALOGUE, truncation_reward=-0.5), MODEL)
+    agent = make_task(TaskConfig(agent="orchestrator.tasks.toy_agent:digits_agent",
+                                 entrypoint="orchestrator.tasks.toy_agent:rows", truncation_reward=-0.5), MODEL)
+    assert env.runner.truncation_reward == agent.runner.truncation_reward == -0.5
+    assert make_task(TaskConfig(entrypoint=DIALOGUE), MODEL).runner.truncation_reward == 0.0
+
+
 def test_an_agent_task_serves_an_endpoint_of_its_own():
     task = make_task(TaskConfig(agent="orchestrator.tasks.toy_agent:digits_agent",
                                 entrypoint="orchestrator.tasks.toy_agent:rows"), MODEL)

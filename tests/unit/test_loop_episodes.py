@@ -84,6 +84,29 @@ async def test_an_environment_fault_errors_its_episode_keeping_the_turns_it_had(
         assert all("the environment broke" in r.status.message for r in errored)
 
 
+class Rambling(EchoEnvironment):
+    """Never done: every episode is cut at max_episode_tokens after its second turn."""
+
+    max_turns = 99
+    max_episode_tokens = 100
+
+
+@pytest.mark.timeout(180)
+async def test_a_truncated_episode_is_completed_with_the_truncation_reward_never_retried(tmp_path):
+    from replay.query import stats_from_log
+
+    run = episodic_run(tmp_path, Rambling(), episodes=32)
+    run.task.runner.truncation_reward = 0.25  # task.truncation_reward
+    await drive(run)
+    _records, rollouts = check(tmp_path)
+    assert run.scheduler.done_steps == run.max_steps, "truncated episodes fill the batches"
+    assert rollouts and all(r.status_name == "completed" for r in rollouts), "none errored, none retried"
+    for r in rollouts:
+        assert (r.episode_end, r.finish_reason, r.rewards) == ("max_episode_tokens", "length", {"reward": 0.25})
+        assert r.turns == 2 and r.sampled_mask().sum() == 2 * 32
+    assert stats_from_log(tmp_path)["truncated_share"] == 1.0
+
+
 def reporting_engine(engine_id: str, prompt_offset: int = 0, die_on: int | None = None):
     """The fake engine, reporting the prompt it ran (shifted by `prompt_offset`) and dying on
     its `die_on`-th request."""

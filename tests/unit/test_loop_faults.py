@@ -133,3 +133,31 @@ async def test_a_reward_that_always_raises_stops_the_run_naming_it(tmp_path):
     assert "of the last" in failure and "errored(reward_error)" in failure, failure
     assert "reward fail_always: ValueError: no reward for you" in failure and "orchestrator.jsonl" in failure
     assert all(r.status_name != "completed" for r in rollouts)
+
+
+@pytest.mark.timeout(180)
+async def test_a_completion_cut_by_max_tokens_is_scored_and_recorded_with_finish_reason_length(tmp_path):
+    from replay.query import stats_from_log
+
+    run = make_run(tmp_path)
+    engine = run.fleet.engines["fake-0"]
+    inner, said = engine.generate, {}
+
+    async def generate(request_id, prompt_token_ids, sampling, cache_salt=None, final_only=False):
+        # every third request stops on its own; the rest are cut at max_tokens (the fake's way)
+        reason = "stop" if len(said) % 3 == 0 else "length"
+        said[request_id] = reason
+        async for chunk in inner(request_id, prompt_token_ids, sampling, cache_salt, final_only):
+            if chunk.finished:
+                chunk.finish_reason = reason
+            yield chunk
+
+    engine.generate = generate
+    await drive(run)
+    _records, rollouts = check(tmp_path)
+    assert run.scheduler.done_steps == run.max_steps and all(r.status_name == "completed" for r in rollouts)
+    assert [r.finish_reason for r in rollouts] == [said[f"rollout-{r.rollout_id}"] for r in rollouts]
+    assert all("reward" in r.rewards for r in rollouts), "a cut completion is scored like any other"
+    cut = sum(r.finish_reason == "length" for r in rollouts)
+    assert 0 < cut < len(rollouts)
+    assert stats_from_log(tmp_path)["truncated_share"] == pytest.approx(cut / len(rollouts))

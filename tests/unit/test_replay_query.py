@@ -53,6 +53,7 @@ class Truth:
     consumed: int | None
     reward: float | None = None  # rewards["reward"]
     discarded: str | None = None  # the reason of the DiscardRecord that claimed it
+    finish: str | None = None  # the recorded finish reason (None: not recorded)
 
 
 def run_cli(argv: list[str]) -> int:
@@ -102,7 +103,7 @@ def generate_log(run_dir, seed: int = 11) -> tuple[list[Truth], list[tuple[int, 
             if not in_record:
                 by_step.setdefault(consumed, []).append(rollout_id)
         truth = Truth(rollout_id, rng.choice(ENGINES), status, reason, dispatched, versions, consumed,
-                      reward=(i % 7) / 7 if i % 3 else None)
+                      reward=(i % 7) / 7 if i % 3 else None, finish=(None, "length", "stop", "stop")[i % 4])
         truths.append(truth)
         records.append(RolloutRecord.from_lists(
             rollout_id=rollout_id, group_id=i // 4, prompt_id=f"p{i // 4}", engine_id=truth.engine,
@@ -113,6 +114,7 @@ def generate_log(run_dir, seed: int = 11) -> tuple[list[Truth], list[tuple[int, 
                     "errored": Errored(reason or "", "boom")}[status],
             identity=IDENTITY, timings=Timings(0.0), consumed_step=consumed if in_record else None,
             rewards={} if truth.reward is None else {"reward": truth.reward, "format": 1.0},
+            finish_reason=truth.finish,
         ))
         if rng.random() < 0.05:
             version_number = len(activations) + 1
@@ -204,7 +206,9 @@ def expected_stats(truths: list[Truth], activations: list, *, steps=(None, None)
                             "tokens": sum(len(t.token_versions) for t in mine),
                             "first_version": min(v[0] for v in sampled) if sampled else None,
                             "last_version": max(v[-1] for v in sampled) if sampled else None}
+    finished = [t.finish for t in chosen if t.status == "completed" and t.finish is not None]
     return {
+        "truncated_share": finished.count("length") / len(finished) if finished else None,
         "engines": per_engine,
         "rollouts": {"completed": sum(t.status == "completed" for t in chosen),
                      "dropped": sum(t.status == "dropped" for t in chosen),
@@ -349,3 +353,44 @@ def test_stats_of_an_empty_log_and_of_activations_only(tmp_path, capsys):
     }
     assert run_cli(["stats", str(tmp_path)]) == 0  # the tables render with nothing to show
     assert "Activations: 1" in capsys.readouterr().out
+
+
+def columns_from_log(run_dir):
+    from replay.log import read_records
+
+    builder = ColumnBuilder()
+    for record in read_records(run_dir):
+        builder.add(record)
+    return builder.build()
+
+
+def _ended(rollout_id: int, status, finish_reason: str | None) -> RolloutRecord:
+    return RolloutRecord.from_lists(
+        rollout_id=rollout_id, group_id=rollout_id, prompt_id=str(rollout_id), engine_id="e0",
+        prompt_token_ids=[1, 2], completion_token_ids=[3, 4, 5], completion_logprobs=[-0.5] * 3,
+        dispatched_version=0, identity=IDENTITY, timings=Timings(1.0), status=status,
+        rewards={"reward": 0.0} if isinstance(status, Completed) else {}, finish_reason=finish_reason)
+
+
+def test_truncated_share_counts_completed_rollouts_cut_by_a_length_limit(tmp_path, capsys):
+    # completed: 2 cut ("length"), 3 not ("stop"), 4 without a recorded reason (an older writer);
+    # an errored and a dropped rollout with a reason: not completed, not counted
+    reasons = ["length"] * 2 + ["stop"] * 3 + [None] * 4
+    with ReplayLog.open(tmp_path, fsync=FsyncPolicy.every(1000)) as log:
+        for rid, reason in enumerate(reasons):
+            log.append(_ended(rid, Completed(), reason))
+        log.append(_ended(20, Errored("engine_died", "x"), "length"))
+        log.append(_ended(21, Dropped("stale"), "abort"))
+    scanned = stats_json(capsys, ["stats", str(tmp_path), "--json"])
+    assert scanned["truncated_share"] == pytest.approx(2 / 5)
+    live = compute_stats(columns_from_log(tmp_path), Filters())  # the live /stats path: one record at a time
+    assert live["truncated_share"] == scanned["truncated_share"]
+    errored = stats_json(capsys, ["stats", str(tmp_path), "--json", "--status", "errored"])
+    assert errored["truncated_share"] is None, "no completed rollout selected: unknown, not 0"
+
+
+def test_truncated_share_is_absent_when_no_finish_reason_was_recorded(tmp_path, capsys):
+    with ReplayLog.open(tmp_path, fsync=FsyncPolicy.every(1000)) as log:
+        for rid in range(3):
+            log.append(_ended(rid, Completed(), None))
+    assert stats_json(capsys, ["stats", str(tmp_path), "--json"])["truncated_share"] is None

@@ -43,10 +43,10 @@ FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "replay"
 # min_tokens, stop_token_ids, ignore_eos; PolicyIdentity logprobs_mode; ConsumptionRecord the
 # trainer's per-rollout and per-step measurements; the DiscardRecord type. v4: PolicyIdentity
 # adapter (LoRA runs). v5: RolloutRecord environment_spans (multi-turn episodes). v6: RolloutRecord
-# episode_end.
-GOLDEN_SEGMENT = FIXTURES / "golden_v6.seg"
+# episode_end. v7: RolloutRecord finish_reason (truncations, issue #30).
+GOLDEN_SEGMENT = FIXTURES / "golden_v7.seg"
 OLDER_GOLDEN_SEGMENTS = [FIXTURES / "golden_v1.seg", FIXTURES / "golden_v2.seg", FIXTURES / "golden_v3.seg",
-                         FIXTURES / "golden_v4.seg", FIXTURES / "golden_v5.seg"]
+                         FIXTURES / "golden_v4.seg", FIXTURES / "golden_v5.seg", FIXTURES / "golden_v6.seg"]
 IDENTITY = PolicyIdentity("Qwen/Qwen3-0.6B", "tok-1a2b", "tmpl-3c4d", "bf16")
 
 # The on-disk field order. Append new fields (with defaults) at the end; never edit a line.
@@ -56,6 +56,7 @@ GOLDEN_FIELDS = {
         "completion_token_ids", "completion_logprobs", "version_starts", "version_values",
         "dispatched_version", "kv_carried_across_versions", "status", "rewards", "sampling",
         "identity", "timings", "consumed_step", "environment_spans", "episode_end",
+        "finish_reason",
     ],
     ActivationRecord: ["version", "outcome", "engines", "activated_at", "message", "strategy",
                        "kv_policy", "kv_carried"],
@@ -108,6 +109,17 @@ def legacy_golden_records() -> list:
 
 def golden_records() -> list:
     """What the newest golden segment holds: every field set, every record type."""
+    nan = float("nan")
+    return v6_golden_records() + [
+        rollout(rollout_id=26, consumed_step=None, completion_token_ids=[7, 8, 9, 10],
+                completion_logprobs=[-0.1, nan, nan, -0.5], token_versions=None,
+                version_changes=[(0, 17)], environment_spans=[(1, 3)], episode_end="max_episode_tokens",
+                finish_reason="length"),
+    ]
+
+
+def v6_golden_records() -> list:
+    """What golden_v6 holds."""
     nan = float("nan")
     return v5_golden_records() + [
         rollout(rollout_id=25, consumed_step=None, completion_token_ids=[7, 8, 9, 10],
@@ -314,7 +326,8 @@ def test_every_golden_segment_reads_back_as_the_golden_records(tmp_path, segment
     shutil.copy(segment, tmp_path / "replay" / "00000001.seg")
     expected = {GOLDEN_SEGMENT: golden_records, FIXTURES / "golden_v3.seg": v3_golden_records,
                 FIXTURES / "golden_v4.seg": v4_golden_records,
-                FIXTURES / "golden_v5.seg": v5_golden_records}.get(
+                FIXTURES / "golden_v5.seg": v5_golden_records,
+                FIXTURES / "golden_v6.seg": v6_golden_records}.get(
         segment, legacy_golden_records)()
     assert list(read_records(tmp_path)) == expected
 
@@ -353,7 +366,7 @@ def test_a_log_written_with_the_current_definition_reads_with_the_previous_one(t
     decoded = msgspec.msgpack.decode(encode_record(record), type=previous)
     assert decoded.rollout_id == record.rollout_id
     assert decoded.completion_logprobs == record.completion_logprobs
-    assert not hasattr(decoded, "episode_end")
+    assert not hasattr(decoded, "finish_reason")
 
 
 def test_a_next_definition_with_an_appended_field_interoperates_both_ways(tmp_path):
