@@ -91,9 +91,11 @@ def test_engines_join_drain_die_return_and_leave_on_sigterm_while_the_run_trains
 [[engines]]
 url = "{urls['a']}"
 kind = "server"
+max_num_seqs = 16
 [[engines]]
 url = "{urls['b']}"
 kind = "server"
+max_num_seqs = 16
 [sampling]
 max_tokens = 48
 [fleet]
