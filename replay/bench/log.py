@@ -102,6 +102,7 @@ def synthetic_columns(rows: int, seed: int = 0) -> Columns:
         status=status, detail=np.where(status > 0, 0, -1).astype(np.int32), dispatched=dispatched,
         span_start=dispatched, span_end=dispatched + in_flight, n_versions=n_versions,
         n_tokens=n_tokens, env_tokens=np.zeros(rows, np.int64), turns=np.ones(rows, np.int32),
+        truncated=np.where(status == 0, rng.random(rows) < 0.05, -1).astype(np.int8),  # 5% cut at max_tokens
         consumed=np.where(status == 0, consumed, -1),
         discarded=np.full(rows, -1, np.int32),
         reward=np.where(rng.random(rows) < 0.9, rng.random(rows), np.nan),
