@@ -9,11 +9,28 @@ Light imports only (torch; vLLM's reload helpers inside the functions that need 
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from typing import Any
 
 import torch
+
+
+class _RotaryReloadNotice(logging.Filter):
+    """vLLM's layerwise reload warns "RotaryEmbedding: Failed to load weights" at every reload:
+    the rotary embedding's `cos_sin_cache` buffer counts as loadable but no checkpoint holds it (it
+    is computed from the config at start), so vLLM puts the buffer back as it was, which is
+    right. The warning says nothing about the new weights (their logprobs match a transformers
+    forward, tests/integration/test_activation_*): it is dropped here, in the worker, where this
+    module is imported (by `transports.swap`) before the model loads. Every other reload warning
+    still shows."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("RotaryEmbedding: Failed to load weights")
+
+
+logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_RotaryReloadNotice())
 
 
 def staging_cpus(worker_cpus: set[int]) -> set[int]:

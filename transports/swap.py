@@ -77,7 +77,6 @@ Light imports only (torch, safetensors, vLLM, this package); never `orchestrator
 from __future__ import annotations
 
 import json
-import logging
 import os
 import tempfile
 import threading
@@ -109,21 +108,6 @@ STRATEGIES = ("pause_swap", "double_buffer")
 TRANSPORTS = ("filesystem", "collective", "ipc", "http")
 #: How long `swap_stage` waits for a dropped staging thread to end before refusing.
 DEFAULT_JOIN_S = 2.0
-
-
-class _RotaryReloadNotice(logging.Filter):
-    """vLLM's layerwise reload warns "RotaryEmbedding: Failed to load weights" at every reload:
-    the rotary embedding's `cos_sin_cache` buffer counts as loadable but no checkpoint holds it (it
-    is computed from the config at start), so vLLM puts the buffer back as it was, which is
-    right. The warning says nothing about the new weights (their logprobs match a transformers
-    forward, tests/integration/test_activation_*): it is dropped here, in the worker, where
-    this module is imported before the model loads. Every other reload warning still shows."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("RotaryEmbedding: Failed to load weights")
-
-
-logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_RotaryReloadNotice())
 
 
 def _parse(arg: Any) -> dict:

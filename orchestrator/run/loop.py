@@ -29,6 +29,7 @@ from orchestrator.run.guard import ProgressGuard
 from orchestrator.run.recording import RolloutContext, build_rollout_record
 from orchestrator.run.records import InFlight, consumption_record, request_id, reward_components, settled
 from orchestrator.run.resume import JournalEntry
+from orchestrator.run.watchers import watch_loop_lag, watch_progress
 from orchestrator.scheduling import scheduler as sch
 from orchestrator.scoring.outcome import ScoreFailed
 from orchestrator.trainer.link import Batch, Failed, Sample, StepDone
@@ -84,9 +85,9 @@ class RunLoop:
             self._tg = tg
             tg.start_soon(self._trainer_messages)
             tg.start_soon(self._activator)
-            tg.start_soon(self._loop_lag)
+            tg.start_soon(watch_loop_lag, self.run.metrics)
             tg.start_soon(self._dispatcher)
-            tg.start_soon(self._watch_progress)
+            tg.start_soon(watch_progress, self)
             tg.start_soon(self.keeper.main)
             if getattr(self.run, "evaluator", None) is not None:
                 tg.start_soon(run_evaluations, self)
@@ -463,25 +464,6 @@ class RunLoop:
                     return
                 await anyio.sleep(min(30.0, 0.5 * 2 ** failures))
                 self._version_wanted.set()  # retry: the newest version wanted then
-
-    async def _watch_progress(self, every_s: float = 1.0) -> None:
-        """A run that cannot progress stops, naming why (`guard.ProgressGuard`)."""
-        while True:
-            await anyio.sleep(every_s)
-            scheduler = self.run.scheduler
-            verdict = self.guard.verdict(time.monotonic(), trainer_busy=self.batch is not None,
-                                         waiting_on=f"rollouts for a batch ({scheduler.inflight} in flight)")
-            if verdict is not None:
-                log.error("run.no_progress", reason=verdict)
-                self.request_stop("no progress", failure=f"{verdict}; the full log: "
-                                                         f"{self.run.run_dir / 'orchestrator.jsonl'}")
-                return
-
-    async def _loop_lag(self) -> None:
-        while True:
-            before = time.monotonic()
-            await anyio.sleep(0.25)
-            self.run.metrics.loop_lag.set(max(0.0, time.monotonic() - before - 0.25))
 
     # -- stopping ------------------------------------------------------------------------------
     async def _shutdown(self) -> None:
