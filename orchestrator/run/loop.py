@@ -61,6 +61,7 @@ class RunLoop:
         self.aborting: set[int] = set()  # rollouts the scheduler asked to abort, until they end
         rc = run.config.run
         self.keeper = FleetKeeper(self)
+        self._asking_leaving: set[str] = set()  # engines whose server is being asked if it leaves
         self.guard = ProgressGuard(stall_s=rc.stall_s, max_error_share=rc.max_error_share, window=rc.error_window,
                                    started_at=time.monotonic())
 
@@ -244,10 +245,18 @@ class RunLoop:
         A server told to stop (SIGTERM) may fail a request as it closes: that one leaves (its
         drain), it is not fenced."""
         self.handle(sch.EngineDown(engine=engine_id))
+        if engine_id in self._asking_leaving:
+            return  # every rollout of a failing engine ends at once: the first asks, and acts, for all
         engine = self.run.fleet.engines.get(engine_id)
-        if engine is not None and engine_id in self.run.fleet.coordinator.serving and await engine.leaving():
-            self.keeper.engine_refused(engine_id)
-            return
+        if engine is not None and engine_id in self.run.fleet.coordinator.serving:
+            self._asking_leaving.add(engine_id)
+            try:
+                leaving = await engine.leaving()
+            finally:
+                self._asking_leaving.discard(engine_id)
+            if leaving:
+                self.keeper.engine_refused(engine_id)
+                return
         await self.run.fleet.engine_died(engine_id, message)
         self.keeper.engine_lost(engine_id, message)
         self.check_serving()
