@@ -82,6 +82,8 @@ class Fleet(AdapterStaging, RolloutStreams, FleetMembership):
         self._gates: dict[str, anyio.Event] = {}  # engines not admitting new requests (drain)
         self._gate_waiters: dict[str, anyio.CancelScope] = {}  # request id -> its wait at a gate
         self._paused: set[str] = set()
+        # Pauses started but not yet answered, per engine: a Resume waits for them (see _perform).
+        self._pauses_due: dict[str, int] = {}
         self._stage_source: dict = {}
         self.last_stall: dict[str, float] = {}
         # engine -> the swap report its ending rollouts wait for (see `SwitchReport`)
@@ -256,6 +258,8 @@ class Fleet(AdapterStaging, RolloutStreams, FleetMembership):
             elif isinstance(a, act.StartTimer):
                 tg.start_soon(self._timer, a, send)
             else:
+                if isinstance(a, act.Pause):
+                    self._pauses_due[a.engine] = self._pauses_due.get(a.engine, 0) + 1
                 by_engine.setdefault(a.engine, []).append(a)
         for engine, queue in by_engine.items():
             tg.start_soon(self._perform_all, engine, queue, send)
@@ -296,11 +300,14 @@ class Fleet(AdapterStaging, RolloutStreams, FleetMembership):
                     await engine.abort(t.request_id)
                 return None
             if isinstance(a, act.Pause):
-                self._paused.add(e)
-                self._salt_unsettled.add(e)
-                for t in self.tracks_on(e):
-                    t.aborted_by_activation = a.mode == "abort"
-                await engine.pause(a.mode, a.clear_cache)
+                try:
+                    self._paused.add(e)
+                    self._salt_unsettled.add(e)
+                    for t in self.tracks_on(e):
+                        t.aborted_by_activation = a.mode == "abort"
+                    await engine.pause(a.mode, a.clear_cache)
+                finally:
+                    self._pauses_due[e] = max(0, self._pauses_due.get(e, 0) - 1)
                 return act.Paused(engine=e, at=now())
             if isinstance(a, act.Swap):
                 # From here until the fleet holds this swap's report, a rollout on this engine
@@ -333,6 +340,12 @@ class Fleet(AdapterStaging, RolloutStreams, FleetMembership):
                     self._release_reports(e, reported=True)
                 return act.VersionSet(engine=e, at=now(), version=a.version, requests=requests)
             if isinstance(a, act.Resume):
+                # Each batch of actions runs as its own task: a Resume owed to an engine that left
+                # while its Pause was on the way must not overtake that Pause (the engine would
+                # then be paused after it, and stay so). Bounded: a Pause that never ran is not waited for.
+                with anyio.move_on_after(self.ft.rpc_s):
+                    while self._pauses_due.get(e, 0):
+                        await anyio.sleep(self.ft.poll_s)
                 await self._resume(engine)
                 return act.Resumed(engine=e, at=now())
             if isinstance(a, act.Fence):

@@ -252,3 +252,37 @@ def test_the_coordinator_keeps_a_bounded_history_of_its_activations():
         assert c.live_version == version
     assert len(c.history) == act.HISTORY_KEPT
     assert [r.version for r in c.history][-1] == act.HISTORY_KEPT + 10
+
+
+async def test_an_engine_that_leaves_while_its_pause_is_on_the_way_ends_unpaused():
+    """`fleet drain` mid-activation: the coordinator owes the leaver a Resume for the Pause it
+    emitted, which may still be on its way (a slow control call on a busy server). The Resume
+    must not overtake it: seen in test_fleet_elastic, where the engine was resumed, then paused,
+    and stayed paused until the drain gave up."""
+
+    class SlowPause(ScriptedEngine):
+        def __init__(self, engine_id):
+            super().__init__(engine_id)
+            self.pausing = anyio.Event()
+
+        async def pause(self, mode="keep", clear_cache=True):
+            self.pausing.set()
+            with anyio.CancelScope(shield=True):  # sent: it reaches the server, late, whatever the client does
+                await anyio.sleep(0.2)
+                await super().pause(mode, clear_cache)
+
+    a, b = ScriptedEngine("a"), SlowPause("b")
+    fleet = fleet_of(a, b)
+    await set_up(fleet)
+    async with anyio.create_task_group() as tg:
+        done: list = []
+
+        async def activation() -> None:
+            done.append(await fleet.activate(1))
+
+        tg.start_soon(activation)
+        await b.pausing.wait()
+        await fleet.mark_leaving("b")
+    assert done and fleet.live_version == 1
+    assert "b" in fleet.coordinator.leaving
+    assert not b.paused, b.calls
