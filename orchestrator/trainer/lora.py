@@ -158,6 +158,16 @@ def dropout_off(model: torch.nn.Module) -> Iterator[None]:
         _set_dropout(model, active=True)
 
 
+def has_dropout(model: torch.nn.Module) -> bool:
+    """Whether the model's forwards are randomised by an active LoRA dropout (p > 0, training)."""
+    for module in model.modules():
+        dropouts = getattr(module, "lora_dropout", None)
+        if isinstance(dropouts, torch.nn.ModuleDict):
+            if any(isinstance(d, torch.nn.Dropout) and d.p > 0 and d.training for d in dropouts.values()):
+                return True
+    return False
+
+
 def _set_dropout(model: torch.nn.Module, active: bool) -> None:
     for module in model.modules():
         dropouts = getattr(module, "lora_dropout", None)

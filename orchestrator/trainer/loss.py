@@ -59,10 +59,17 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, normalize_s
 
 
 def policy_loss(logp_new: torch.Tensor, logp_behaviour: torch.Tensor, advantages_per_token: torch.Tensor,
-                mask: torch.Tensor | None, config: TrainerConfig) -> tuple[torch.Tensor, dict[str, float]]:
-    """(loss, stats) for one batch of tokens; `mask` (bool or 0/1, None: all) marks valid tokens."""
+                mask: torch.Tensor | None, config: TrainerConfig,
+                logp_clean: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """(loss, stats) for one batch of tokens; `mask` (bool or 0/1, None: all) marks valid tokens.
+
+    `logp_clean`: the same weights' logprobs from a forward without dropout, when `logp_new`'s
+    forward had dropout (LoRA's `dropout > 0`). The ratios' values (the IS weights, the clip
+    decisions, the mismatch statistics) are then taken from it, so that a dropout mask is not
+    reported as off-policy mismatch; the gradient still flows through `logp_new`."""
     valid = torch.ones_like(logp_new, dtype=torch.bool) if mask is None else mask.to(torch.bool)
-    log_ratio = (logp_new.detach() - logp_behaviour).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    measured = logp_new.detach() if logp_clean is None else logp_clean.detach()
+    log_ratio = (measured - logp_behaviour).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
     ratio = log_ratio.exp()
     adv = advantages_per_token.to(logp_new.dtype)
     if config.loss == "tis":
@@ -71,7 +78,10 @@ def policy_loss(logp_new: torch.Tensor, logp_behaviour: torch.Tensor, advantages
         clipped = ratio > config.is_cap
     elif config.loss == "ppo":
         # The ratio carries the gradient here, so it is rebuilt from logp_new (not detached).
-        r = (logp_new - logp_behaviour).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO).exp()
+        if logp_clean is None:
+            r = (logp_new - logp_behaviour).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO).exp()
+        else:  # the clean ratio's value, the dropout forward's gradient (d r = r d logp_new)
+            r = ratio * (logp_new - logp_new.detach()).exp()
         bounded = r.clamp(1.0 - config.ppo_clip, 1.0 + config.ppo_clip)
         per_token = -torch.minimum(r * adv, bounded * adv)
         # Tokens whose gradient the clip removed.

@@ -20,6 +20,7 @@ import torch
 
 from orchestrator.config.run import TrainerConfig
 from orchestrator.trainer.link import Sample, unpack_f32, unpack_i32
+from orchestrator.trainer.lora import dropout_off, has_dropout
 from orchestrator.trainer.loss import (
     PackedBatch,
     completion_logprobs,
@@ -161,6 +162,7 @@ def _accumulate(model: torch.nn.Module, data: _Unpacked, indices: list[int], pla
     each micro-batch's token sum of the loss x `scale` into the gradients; per-rollout log
     ratios come back in the order of `indices`."""
     position = {i: k for k, i in enumerate(indices)}
+    noisy = has_dropout(model)  # LoRA dropout: the ratios come from a second forward without it
     nan = torch.full((len(indices),), float("nan"))
     acc = _Accumulated(loss_sum=0.0, stats=[], log_ratio_mean=nan.clone(), log_ratio_max_abs=nan.clone())
     for mb in plan:
@@ -168,24 +170,25 @@ def _accumulate(model: torch.nn.Module, data: _Unpacked, indices: list[int], pla
         behaviour = torch.from_numpy(np.concatenate([data.recorded[i] for i in mb]).astype(np.float32))
         advantages = data.advantages[mb][batch.flat_rollout]
         logp = completion_logprobs(model, _on(batch, device), temperature)
+        clean = _clean_logprobs(model, batch, temperature, device) if noisy else logp.detach()
         flat = data.mask(mb)
         mask = None if flat is None else torch.from_numpy(flat)
         if mask is not None:
             # An environment's tokens have no behaviour logprob (NaN): context for the forward,
             # out of the loss. Made equal to the trainer's own there, so that no NaN reaches a
             # gradient (a masked-out NaN still poisons the backward of a product).
-            behaviour = torch.where(mask, behaviour, logp.detach().cpu())
-        # One forward serves both: the weights have not moved yet, so logp.detach() is the
-        # trainer's logprob before the step (no dropout in these models: train and inference
-        # forwards agree).
-        diff, rollout_of = logp.detach().cpu() - behaviour, batch.flat_rollout
+            behaviour = torch.where(mask, behaviour, clean.cpu())
+        # The weights have not moved yet, so `clean` is the trainer's logprob before the step:
+        # the gradient's own forward when it has no dropout (train and inference forwards agree).
+        diff, rollout_of = clean.cpu() - behaviour, batch.flat_rollout
         if mask is not None:
             diff, rollout_of = diff[mask], rollout_of[mask]
         lr_mean, lr_max = per_rollout_log_ratio(diff, rollout_of, len(mb))
         slots = torch.tensor([position[i] for i in mb])
         acc.log_ratio_mean[slots], acc.log_ratio_max_abs[slots] = lr_mean, lr_max
         loss, stats = policy_loss(logp, behaviour.to(device), advantages.to(device),
-                                  None if mask is None else mask.to(device), config)
+                                  None if mask is None else mask.to(device), config,
+                                  logp_clean=clean if noisy else None)
         n = len(logp) if mask is None else int(mask.sum())
         (loss * (n * scale)).backward()  # policy_loss is a token mean over this micro-batch
         acc.loss_sum += float(loss.detach()) * n
@@ -193,9 +196,20 @@ def _accumulate(model: torch.nn.Module, data: _Unpacked, indices: list[int], pla
     return acc
 
 
+def _clean_logprobs(model: torch.nn.Module, batch: PackedBatch, temperature: float,
+                    device: torch.device) -> torch.Tensor:
+    """The batch's logprobs from a forward without LoRA's dropout (no gradient)."""
+    with torch.no_grad(), dropout_off(model):
+        return completion_logprobs(model, _on(batch, device), temperature)
+
+
 def _idle_pass(model: torch.nn.Module, pad_id: int, temperature: float, device: torch.device) -> None:
-    """A forward and backward through the same path as a micro-batch, adding zero."""
-    logp = completion_logprobs(model, _on(PackedBatch([[pad_id]], [[pad_id]], pad_id), device), temperature)
+    """A forward and backward through the same path as a micro-batch, adding zero (and, under
+    LoRA dropout, the micro-batch's second forward: FSDP's collectives need as many on each rank)."""
+    batch = PackedBatch([[pad_id]], [[pad_id]], pad_id)
+    if has_dropout(model):
+        _clean_logprobs(model, batch, temperature, device)
+    logp = completion_logprobs(model, _on(batch, device), temperature)
     (logp.sum() * 0.0).backward()
 
 

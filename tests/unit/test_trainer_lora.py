@@ -463,3 +463,45 @@ def test_check_adapter_of_a_missing_directory(tmp_path):
     with pytest.raises(AdapterError, match="no such adapter directory") as err:
         check_adapter(tmp_path / "v00000009")
     assert err.value.path == str(tmp_path / "v00000009")
+
+
+@pytest.mark.parametrize("loss", ["tis", "ppo"])
+def test_with_lora_dropout_the_ratios_come_from_a_forward_without_it(tiny_model_dir, loss):
+    """Samples whose behaviour logprobs are the adapter's own (on-policy, version 0): with LoRA
+    dropout at 0.5 the ratios are exactly 1 and the mismatch KL 0, as without dropout (before,
+    the dropout-masked forward's noise was reported as off-policy mismatch); the dropout still
+    shapes the gradient (two seeds, two different adapter updates)."""
+    from orchestrator.trainer.step import train_step
+
+    lora_config = LoraConfig(rank=RANK, alpha=ALPHA, target_modules=TARGETS, dropout=0.5)
+    trainer_config = msgspec.structs.replace(TrainerConfig(threads=1, lora=lora_config), loss=loss)
+    model = lora.wrap(_base(tiny_model_dir), lora_config, seed=0)
+    for name, p in lora.adapter_parameters(model).items():  # B = 0 at start: make the adapter act
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.5)
+    assert lora.has_dropout(model)
+    rng = np.random.default_rng(0)
+    samples = []
+    for j in range(8):
+        prompt = rng.integers(3, 1024, size=5).tolist()
+        completion = rng.integers(3, 1024, size=6).tolist()
+        with torch.no_grad(), lora.dropout_off(model):
+            logits = model(input_ids=torch.tensor([prompt + completion])).logits[0]
+        logp = torch.log_softmax(logits[len(prompt) - 1:-1], -1)[torch.arange(6), torch.tensor(completion)]
+        samples.append(Sample(rollout_id=j, group_id=j // 4, prompt_token_ids=pack_i32(prompt),
+                              completion_token_ids=pack_i32(completion), logprobs=pack_f32(logp.tolist()),
+                              reward=float(j % 4), dispatched_version=0))
+    updates = []
+    for seed in (1, 2):
+        state = {k: v.detach().clone() for k, v in lora.adapter_parameters(model).items()}
+        optimizer = torch.optim.SGD(list(lora.adapter_parameters(model).values()), lr=0.1)
+        torch.manual_seed(seed)
+        result = train_step(model, optimizer, samples, trainer_config, pad_id=0)
+        assert result.metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-4), result.metrics
+        assert result.metrics["kl_k3"] == pytest.approx(0.0, abs=1e-6) and result.metrics["clipped_frac"] == 0.0
+        assert max(abs(x) for x in result.log_ratio_mean) < 1e-4
+        updates.append({k: (v.detach() - state[k]) for k, v in lora.adapter_parameters(model).items()})
+        with torch.no_grad():  # back to the start for the next seed
+            for k, v in lora.adapter_parameters(model).items():
+                v.copy_(state[k])
+    assert any(not torch.allclose(updates[0][k], updates[1][k]) for k in updates[0]), "dropout had no effect"
