@@ -91,10 +91,22 @@ class EpisodeTask(RowTask):
                          scan=scan)
 
     def _check_scoring(self) -> None:
-        """The episode's reward scores it; `task.rewards` would be a second, unused score."""
+        """The episode's reward scores it; `task.rewards` would be a second, unused score, and the
+        single-turn settings below would do nothing (issue #30: a knob takes effect or is refused)."""
         if self.config.rewards:
             raise ConfigError(f"{self.where}.rewards", "a multi-turn task's reward comes from its environment "
                                                        "(step) or agent (run); remove rewards")
+        if self.config.max_prompt_tokens is not None:
+            raise ConfigError(f"{self.where}.max_prompt_tokens",
+                              "an episode's first prompt is rendered by its reset (or the agent's first call), not "
+                              "from a row: bound the episode with the environment's max_episode_tokens instead")
+        defaults = TaskConfig()
+        for name, instead in (("score_timeout_s", "the environment's step_timeout_s, or task.agent_timeout_s"),
+                              ("score_workers", "scheduler.max_inflight (one runner thread per episode)"),
+                              ("score_pool", "scheduler.max_inflight (one runner thread per episode)")):
+            if getattr(self.config, name) != getattr(defaults, name):
+                raise ConfigError(f"{self.where}.{name}", f"single-turn scoring only: a multi-turn episode is scored "
+                                                          f"by its environment or agent (bounded by {instead})")
 
     def _encode_row(self, row: dict, number: int) -> tuple[int, ...]:
         return ()  # the first prompt is what the episode's reset (or the agent's first call) renders

@@ -297,3 +297,21 @@ def test_an_answer_column_the_rows_lack_is_named_at_start(tmp_path, tiny_model_d
     assert err.value.field == "task.answer_field" and "'answer'" in str(err.value) and "solution" in str(err.value)
     fixed = load_config(_toml(tmp_path, f'dataset = "{data}"\nanswer_field = "solution"\nrewards = [{{fn = "exact"}}]'))
     assert make_task(fixed.task, str(tiny_model_dir), tokenizer=tokenizer).rows == 1
+
+
+@pytest.mark.parametrize("task", ['entrypoint = "orchestrator.tasks.toy_env:digits_dialogue"',
+                                  'agent = "orchestrator.tasks.toy_agent:digits_agent"\n'
+                                  'entrypoint = "orchestrator.tasks.toy_agent:rows"'])
+@pytest.mark.parametrize("knob", ["max_prompt_tokens = 64", "score_timeout_s = 5.0", "score_workers = 4",
+                                  'score_pool = "thread"'])
+def test_a_single_turn_knob_on_a_multi_turn_task_is_refused_naming_it(tmp_path, tiny_model_dir, tokenizer, task, knob):
+    """Each did nothing for an environment or an agent (issue #30: a knob takes effect or is refused)."""
+    config = load_config(_toml(tmp_path, f"{task}\n{knob}"))
+    with pytest.raises(ConfigError) as err:
+        make_task(config.task, str(tiny_model_dir), tokenizer=tokenizer)
+    assert err.value.field == "task." + knob.split(" ")[0], err.value
+
+
+def test_a_multi_turn_task_with_the_defaults_builds(tmp_path, tiny_model_dir, tokenizer):
+    config = load_config(_toml(tmp_path, 'entrypoint = "orchestrator.tasks.toy_env:digits_dialogue"'))
+    assert make_task(config.task, str(tiny_model_dir), tokenizer=tokenizer).name
