@@ -337,3 +337,12 @@ def test_a_tied_checkpoint_written_by_one_process_resumes_under_fsdp(tmp_path):
     finally:
         dist.destroy_process_group()
     assert all(torch.equal(weights[k], v) for k, v in plain.state_dict().items())
+
+
+def test_eval_of_a_version_the_run_does_not_have_exits_2_naming_those_it_has(run, capsys):
+    """Every command that takes a version (export-model above, replay --target in
+    test_replay_analysis.py, eval here) names the versions the run holds, before any engine starts."""
+    root, _ = run
+    assert main(["eval", str(root), "--version", "9"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--version" in err and "available: 0, 1, 2, 3" in err, err
