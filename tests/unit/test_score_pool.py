@@ -312,3 +312,42 @@ async def test_make_scorer_builds_the_configured_kind(tmp_path):
     with pytest.raises(ConfigError) as err:
         load_config(path)
     assert err.value.field == "task.score_pool"
+
+
+_HUNG_SCORER = """
+import anyio, threading, time
+from orchestrator.scoring.scorer import REWARD_TIMEOUT, ScoreFailed, Scorer
+
+class Task:
+    def score_sync(self, prompt, ids):
+        if prompt == "hang":
+            time.sleep(3600)  # a reward that never returns
+        return {"reward": float(len(ids))}
+
+async def main():
+    scorer = Scorer(Task(), workers=1, timeout_s=0.5)
+    try:
+        await scorer.score("hang", [1])
+    except ScoreFailed as exc:
+        assert exc.kind == REWARD_TIMEOUT, exc
+    # the abandoned call gave its slot back: the next ones run, on one reused thread
+    assert [await scorer.score("ok", [1, 2]) for _ in range(5)] == [{"reward": 2.0}] * 5
+    names = [t.name for t in threading.enumerate() if t.name == "inflight-score"]
+    print("threads", len(names))
+
+anyio.run(main)
+print("main done")
+"""
+
+
+def test_a_thread_scorer_whose_reward_never_returns_lets_the_process_exit(tmp_path):
+    """anyio's worker threads are not daemons: Python joined the hung one at exit, forever."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "hung.py"
+    script.write_text(_HUNG_SCORER)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "threads 2" in done.stdout and "main done" in done.stdout, done.stdout  # the hung one + one reused
