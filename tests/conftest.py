@@ -146,6 +146,31 @@ async def server_engine(tiny_model_dir, engine_log_dir):
     await engine.shutdown()
 
 
+@pytest.fixture(scope="session")
+def run_server(rl_model, engine_log_dir) -> str:
+    """The URL of one vLLM server of `rl_model` that `inflight run` tests attach to
+    (`tests.helpers.attach_to(url)`). Each run resets it to version 0
+    at its start, as it does any attached server (`ServerEngine.reset_to_base`), so a test that
+    attaches saves an engine start (about 15 s) and proves nothing less: what a run's engine
+    does is the same whoever started it. Runs whose engine settings differ start their own."""
+    import anyio
+
+    from orchestrator.config.run import SWAP_EXTENSION, EngineConfig
+    from orchestrator.engines.server import ServerEngine
+
+    engine = ServerEngine(EngineConfig(model=str(rl_model), kind="server", worker_extension_cls=SWAP_EXTENSION),
+                          "run-server", log_dir=engine_log_dir)
+
+    async def start() -> None:
+        await engine.start()
+        client, engine._client = engine._client, None  # the runs talk to it; this event loop ends here
+        await client.aclose()
+
+    anyio.run(start)
+    yield engine.url
+    engine._terminate_process_group()
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _no_vllm_state_leaks_between_modules():
     """An in-process vLLM engine (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, the `uni` executor) leaves

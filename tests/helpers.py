@@ -15,6 +15,12 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def attach_to(url: str) -> str:
+    """The `[engine]` lines (after `model = ...`) that attach an `inflight run` to the server at
+    `url` (the session's `run_server` fixture) instead of starting an engine of its own."""
+    return f'kind = "server"\nurl = "{url}"\n'
+
+
 def inflight_llm(model_dir, **kwargs):
     """An in-process vLLM engine (fp32, eager, one process) whose weights the project's
     transports update (`transports.vllm_backend`); `kwargs` override or add engine arguments."""

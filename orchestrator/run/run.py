@@ -337,6 +337,17 @@ class Run:
         rows, epochs = self.task.rows, self.config.task.epochs
         return rows * epochs if rows is not None and epochs is not None else None
 
+    def _config_as_run(self) -> dict:
+        """The config as the run uses it, for run_meta: the activation the fleet performs (a LoRA
+        run's is "adapter", whatever the file says) and each engine's settings after what
+        [trainer.lora], [fleet] and [cluster] set on them (`engines_as_run`)."""
+        config = msgspec.to_builtins(self.config)
+        config["activation"] = {**config["activation"], "strategy": self.fleet.strategy,
+                                "kv_policy": self.fleet.coordinator.kv_policy}
+        config["engines_as_run"] = [{"id": engine_id, **msgspec.to_builtins(engine)}
+                                    for engine_id, engine in self.config.engine_configs()]
+        return config
+
     async def _restore(self, ready):
         """A fresh run writes its meta record; a resumed one reconciles log, journal and trainer."""
         from orchestrator.run.records import consumption_record, crashed_record
@@ -345,7 +356,7 @@ class Run:
         from replay.records import RunMetaRecord
 
         meta = RunMetaRecord(run_id=self.run_id, created_at=time.time(), identity=self.identity,
-                             config={**msgspec.to_builtins(self.config), "resumed": self.resume,
+                             config={**self._config_as_run(), "resumed": self.resume,
                                      "model_dir": str(Path(self.config.engine.model).resolve())})
         if not self.resume:
             self.recorder.submit(meta)

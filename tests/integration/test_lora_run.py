@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from replay.log import read_records
-from replay.records import ActivationRecord, ConsumptionRecord, RolloutRecord
+from replay.records import ActivationRecord, ConsumptionRecord, RolloutRecord, RunMetaRecord
 from tests.integration.lora_helpers import reference_logprobs
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(1200)]
@@ -68,6 +68,9 @@ def test_the_digits_task_learns_with_a_lora_adapter_and_no_activation_pauses(lor
     activations = records(run_dir, ActivationRecord)
     assert len(activations) >= 25 and all(a.outcome == "activated" for a in activations)
     assert all(a.strategy == "adapter" for a in activations)
+    meta = next(r for r in read_records(run_dir) if isinstance(r, RunMetaRecord))  # what ran, not the file's default
+    assert meta.config["activation"]["strategy"] == "adapter" and meta.config["activation"]["kv_policy"] == "drain"
+    assert all(e["enable_lora"] and e["max_lora_rank"] == 16 for e in meta.config["engines_as_run"])
     assert all(e.pause_s == 0.0 for a in activations for e in a.engines), "an adapter activation paused an engine"
     rollouts = [r for r in records(run_dir, RolloutRecord) if r.status_name == "completed"]
     assert rollouts and all(r.identity.adapter and r.identity.adapter.startswith("lora r=16") for r in rollouts)

@@ -25,6 +25,7 @@ import pytest
 
 from replay.log import read_records
 from replay.records import ConsumptionRecord, RolloutRecord
+from tests.helpers import attach_to
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(900)]
 INFLIGHT = [sys.executable, "-m", "orchestrator.commands.cli"]
@@ -153,9 +154,11 @@ def test_a_template_that_is_not_prefix_preserving_stops_the_run_at_start(tmp_pat
     assert "Traceback" not in done.stderr
 
 
-def _small_run(tmp_path, task: str, steps: int = 2) -> Path:
+def _small_run(tmp_path, task: str, server: tuple[Path, str], steps: int = 2) -> Path:
+    """A short run of `task` on the session's shared server (`server`: its model and URL)."""
+    model, url = server
     config = tmp_path / "agent.toml"
-    config.write_text(f'[task]\n{task}\n[sampling]\nmax_tokens = 16\n[scheduler]\ngroup_size = 4\n'
+    config.write_text(f'[engine]\nmodel = "{model}"\n{attach_to(url)}[task]\n{task}\n[sampling]\nmax_tokens = 16\n[scheduler]\ngroup_size = 4\n'
                       f'batch_groups = 2\n[run]\nmax_steps = {steps}\nprogress = "plain"\n')
     run_dir = tmp_path / "run"
     done = inflight("run", str(config), "--run-dir", str(run_dir))
@@ -175,17 +178,17 @@ def _consumed_episodes(run_dir: Path, turns: int) -> list[RolloutRecord]:
     return consumed
 
 
-def test_an_openai_client_agent_produces_episodes_the_trainer_consumes(tmp_path):
+def test_an_openai_client_agent_produces_episodes_the_trainer_consumes(tmp_path, rl_model, run_server):
     run_dir = _small_run(tmp_path, 'agent = "orchestrator.tasks.toy_agent:digits_agent"\n'
-                                   'entrypoint = "orchestrator.tasks.toy_agent:rows"')
+                                   'entrypoint = "orchestrator.tasks.toy_agent:rows"', (rl_model, run_server))
     _consumed_episodes(run_dir, turns=2)
     verified = inflight("replay", str(run_dir), "--verify-spans")
     assert verified.returncode == 0 and "verify spans: passed" in verified.stdout, verified.stdout[-2000:]
 
 
-def test_a_verifiers_multi_turn_environment_produces_episodes_the_trainer_consumes(tmp_path):
+def test_a_verifiers_multi_turn_environment_produces_episodes_the_trainer_consumes(tmp_path, rl_model, run_server):
     run_dir = _small_run(tmp_path, 'entrypoint = "orchestrator.tasks.verifiers:make"\n'
-                                   'args = {env = "tests.vf_toy_env", kind = "multi"}')
+                                   'args = {env = "tests.vf_toy_env", kind = "multi"}', (rl_model, run_server))
     _consumed_episodes(run_dir, turns=3)
 
 

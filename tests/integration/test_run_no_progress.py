@@ -10,12 +10,14 @@ import time
 
 import pytest
 
+from tests.helpers import attach_to
+
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
-STALL_S = 20
+STALL_S = 10
 
 
 @pytest.mark.timeout(600)
-def test_a_reward_that_always_raises_exits_2_within_stall_s_naming_the_function(tmp_path, rl_model):
+def test_a_reward_that_always_raises_exits_2_within_stall_s_naming_the_function(tmp_path, rl_model, run_server):
     (tmp_path / "my_rewards.py").write_text(
         "def never(completion, **row):\n    raise ValueError('the grader is down')\n")
     (tmp_path / "train.jsonl").write_text("".join('{"prompt": "count to %d", "answer": "%d"}\n' % (i, i)
@@ -24,6 +26,7 @@ def test_a_reward_that_always_raises_exits_2_within_stall_s_naming_the_function(
     config.write_text(f"""
 [engine]
 model = "{rl_model}"
+{attach_to(run_server)}
 [task]
 dataset = "{tmp_path / 'train.jsonl'}"
 rewards = [{{ fn = "my_rewards:never" }}]

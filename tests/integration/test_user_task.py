@@ -22,6 +22,7 @@ import pytest
 from replay.log import read_records
 from replay.records import ConsumptionRecord, EvalRecord, RolloutRecord
 from tests.doc_snippets import write_snippets
+from tests.helpers import attach_to
 from tests.integration.test_run import finish, kill_group, start, stats_json
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
@@ -63,7 +64,8 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
     return path
 
 
-def package(tmp_path: Path, model: Path, extra: str = "", faults: bool = False, run_extra: str = "") -> Path:
+def package(tmp_path: Path, model: Path, extra: str = "", faults: bool = False, run_extra: str = "",
+            engine_extra: str = "") -> Path:
     """The guide's package, plus a dataset and a config, in a directory of its own."""
     write_snippets(tmp_path)
     # The seeded shuffle puts row 5 at group 100, 77 at 121 and 136 at 72: all three consumed
@@ -79,6 +81,7 @@ def package(tmp_path: Path, model: Path, extra: str = "", faults: bool = False, 
     config.write_text(f"""
 [engine]
 model = "{model}"
+{engine_extra}
 [task]
 dataset = "train.jsonl"
 rewards = [{rewards}]
@@ -107,8 +110,8 @@ def run_in(directory: Path, args: list[str], log: Path):
 
 
 @pytest.mark.timeout(1500)
-def test_a_user_task_package_learns_records_its_faults_evaluates_and_tracks(tmp_path, rl_model):
-    config = package(tmp_path, rl_model, faults=True,
+def test_a_user_task_package_learns_records_its_faults_evaluates_and_tracks(tmp_path, rl_model, run_server):
+    config = package(tmp_path, rl_model, faults=True, engine_extra=attach_to(run_server),
                      run_extra='wandb = { project = "inflight-test", mode = "offline" }', extra="""
 [eval]
 every_steps = 10
