@@ -143,11 +143,9 @@ class AgentEndpoint:
     def routes(self) -> list:
         from starlette.routing import Route
 
-        from orchestrator.tasks.token_route import token_routes
-
         return [Route("/v1/chat/completions", self._guarded(self._chat), methods=["POST"]),
                 Route("/v1/completions", self._guarded(self._completion), methods=["POST"]),
-                Route("/v1/models", self._guarded(self._models), methods=["GET"]), *token_routes(self)]
+                Route("/v1/models", self._guarded(self._models), methods=["GET"])]
 
     # -- requests ----------------------------------------------------------------------------------
     def _guarded(self, handler):

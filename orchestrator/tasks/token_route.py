@@ -38,6 +38,11 @@ _SP_IGNORED = {"skip_special_tokens", "spaces_between_special_tokens", "detokeni
 _SP_HANDLED = {"max_tokens", "logprobs", "n", "stop_token_ids", "prompt_logprobs"}
 
 
+def served_routes(endpoint: AgentEndpoint) -> list:
+    """Every route of an agent endpoint: its OpenAI routes and the generate route (what the run mounts)."""
+    return endpoint.routes() + token_routes(endpoint)
+
+
 def token_routes(endpoint: AgentEndpoint) -> list:
     from starlette.routing import Route
 
