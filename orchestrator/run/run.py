@@ -410,12 +410,13 @@ class Run:
         if endpoint is None:
             return
         from orchestrator.tasks.agent import sampling_checker
+        from orchestrator.tasks.token_route import served_routes
 
         if self.http is None:
             raise ConfigError("http.enabled", "an agent task talks to the run's OpenAI-compatible endpoint, served "
                                               "by its HTTP server: http.enabled must be true")
         endpoint.sampling_check = sampling_checker(self.sampling)
-        self.http.app.router.routes.extend(endpoint.routes())
+        self.http.app.router.routes.extend(served_routes(endpoint))
         self.task.base_url = self.http.url
 
     def _start_http(self) -> None:

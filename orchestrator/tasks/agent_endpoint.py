@@ -2,6 +2,7 @@
 the `openai` client produces episodes with exact tokens, logprobs and versions.
 
     POST /v1/chat/completions   POST /v1/completions   GET /v1/models
+    POST /inference/v1/generate, /e/{episode}/inference/v1/generate   (token in, token out: token_route.py)
 
 Every call needs `Authorization: Bearer <the run's token>` (the openai client's api_key) and
 names its episode by the header `X-Inflight-Episode` or the body field `episode` (both may be
@@ -195,15 +196,19 @@ class AgentEndpoint:
         return episode_id, conv, body
 
     def _episode_id(self, request, body: dict) -> str:
-        header, field_ = request.headers.get(EPISODE_HEADER), body.get("episode")
+        field_ = body.get("episode")
         if field_ is not None and not isinstance(field_, str):
             raise Refused(400, "episode", f"must be a string, got {type(field_).__name__}")
-        if header is not None and field_ is not None and header != field_:
-            raise Refused(400, "episode", f"the header {EPISODE_HEADER} ({header!r}) and the body field "
-                                          f"({field_!r}) name different episodes")
-        if header is None and field_ is None:
+        # The URL path (/e/{episode}/...), the header, the body field: any of them, all that are given agree.
+        named = {where: value for where, value in (("the URL path", request.path_params.get("episode")),
+                                                   (f"the header {EPISODE_HEADER}", request.headers.get(EPISODE_HEADER)),
+                                                   ("the body field", field_)) if value is not None}
+        if len(set(named.values())) > 1:
+            raise Refused(400, "episode", "name different episodes: " + ", ".join(f"{where} {value!r}"
+                                                                                 for where, value in named.items()))
+        if not named:
             raise Refused(400, "episode", f"name the episode: header {EPISODE_HEADER} or body field episode")
-        return header if header is not None else field_
+        return next(iter(named.values()))
 
     def _check_fields(self, body: dict, known: set[str]) -> None:
         unknown = sorted(k for k in body if k not in known | _IGNORED | SAMPLING_FIELDS)

@@ -93,6 +93,10 @@ def test_an_agent_task_serves_an_endpoint_of_its_own():
                                 entrypoint="orchestrator.tasks.toy_agent:rows"), MODEL)
     assert task.episodic and task.agent_endpoint is not None and task.name == "digits_agent"
     assert {r.path for r in task.agent_endpoint.routes()} >= {"/v1/chat/completions", "/v1/completions"}
+    from orchestrator.tasks.token_route import served_routes  # what the run mounts: the generate route too
+
+    assert {r.path for r in served_routes(task.agent_endpoint)} >= {"/inference/v1/generate",
+                                                                    "/e/{episode}/inference/v1/generate"}
 
 
 def test_a_held_out_evaluation_of_a_multi_turn_task_is_refused():
