@@ -1,6 +1,7 @@
 """`inflight export-model RUN_DIR [--version latest|V] OUT_DIR`: one policy version of a run as a
 Hugging Face model directory (config.json, safetensors weights, the base model's tokenizer files
-and chat template, its generation_config.json if it has one) plus a model card (README.md) that
+and chat template — the run's own, RUN_DIR/chat_template.jinja, when its task named a template
+file — its generation_config.json if it has one) plus a model card (README.md) that
 names the run, the version, where its weights were read, the base model and its identity hash.
 `AutoModelForCausalLM.from_pretrained(OUT_DIR)` and vLLM load it.
 
@@ -77,6 +78,7 @@ class RunInfo(msgspec.Struct, frozen=True):
     base_dir: Path  # version 0
     config: dict
     identity: dict | None  # the run_meta record's PolicyIdentity as recorded; None: no log
+    template: str | None = None  # RUN_DIR/chat_template.jinja: the task's own template, if it had one
 
 
 # -- reading the run ---------------------------------------------------------------------------
@@ -106,8 +108,11 @@ def read_run(run_dir: str | os.PathLike) -> RunInfo:
         raise ModelError(base, f"the run's base model (from {where}) is not there: version 0 and the architecture "
                                "of every version come from it")
     identity = msgspec.to_builtins(meta.identity) if meta is not None and meta.identity is not None else None
+    from orchestrator.run.recording import RUN_TEMPLATE
+
+    template = (root / RUN_TEMPLATE).read_text() if (root / RUN_TEMPLATE).is_file() else None
     return RunInfo(run_dir=root.resolve(), run_id=run_id or None, base_dir=base.resolve(), config=config,
-                   identity=identity)
+                   identity=identity, template=template)
 
 
 def _run_meta(root: Path):
@@ -173,13 +178,14 @@ def _version_number(version: int | str) -> int:
 
 def check_base_unchanged(run: RunInfo, source: VersionSource, adapter: bool = False) -> None:
     """The base directory still holds what the run recorded: the tokenizer and chat template
-    (copied into every export) and, for version 0 or an `adapter` version (which means nothing
-    without its base), the weights. A hash the run did not record is not checked. ModelError
-    names what changed."""
+    (copied into every export; the run's own template, RUN_DIR/chat_template.jinja, where the
+    task named one) and, for version 0 or an `adapter` version (which means nothing without its
+    base), the weights. A hash the run did not record is not checked. ModelError names what
+    changed."""
     from orchestrator.run.recording import policy_identity, weights_digest
 
     recorded = run.identity or {}
-    now = policy_identity(run.base_dir, "", "")
+    now = policy_identity(run.base_dir, "", "", chat_template=run.template)
     checks = [("tokenizer", recorded.get("tokenizer_hash"), now.tokenizer_hash),
               ("chat template", recorded.get("chat_template_hash"), now.chat_template_hash)]
     base = str(recorded.get("base_checkpoint") or "")
@@ -217,7 +223,7 @@ def export_model(run_dir: str | os.PathLike, version: int | str = LATEST, *,
             write_adapter(source, lora, tmp)
         else:
             model = merged_model(run.base_dir, lora) if lora is not None else load_version(run.base_dir, source)
-            _save(model, run.base_dir, tmp)
+            _save(model, run.base_dir, tmp, run.template)
             del model
         (tmp / CARD).write_text(model_card(run, source, tmp, out, form, lora.describe() if lora else None))
         _make_durable(tmp)
@@ -333,11 +339,16 @@ def _engine_layout(model, own) -> dict[str, tuple[str, tuple]]:
     return {engine: (src, tuple(views)) for engine, src, views in name_map.refit(meta)}
 
 
-def _save(model, base_dir: Path, tmp: Path) -> None:
+def _save(model, base_dir: Path, tmp: Path, template: str | None = None) -> None:
     """Weights and config from the model; tokenizer, chat template and the other small files of
     the base as they are (byte for byte: the tokenizer and template hashes stay the run's);
-    generation_config.json only if the base has one."""
+    generation_config.json only if the base has one. `template`: the run's own chat template,
+    written as chat_template.jinja (which transformers and vLLM load before tokenizer_config's)."""
+    from orchestrator.run.recording import RUN_TEMPLATE
+
     model.save_pretrained(tmp)
+    if template is not None:
+        (tmp / RUN_TEMPLATE).write_text(template)
     (tmp / "generation_config.json").unlink(missing_ok=True)
     if (base_dir / "generation_config.json").is_file():
         shutil.copyfile(base_dir / "generation_config.json", tmp / "generation_config.json")

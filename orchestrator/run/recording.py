@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import queue
 import sys
 import threading
@@ -229,6 +230,23 @@ def tokenizer_digest(model_dir: str | Path) -> str:
     return digest.hexdigest() if found else ""
 
 
+# RUN_DIR's copy of the task's own chat template (`task.chat_template` as a path): what rendered the
+# prompts, which `inflight export-model` writes into an export in place of the base model's.
+RUN_TEMPLATE = "chat_template.jinja"
+
+
+def keep_run_template(run_dir: Path, text: str | None) -> None:
+    """RUN_DIR/chat_template.jinja holds `text` (written whole, then renamed); None: the model's
+    own template renders, and no copy is kept."""
+    path = Path(run_dir) / RUN_TEMPLATE
+    if text is None:
+        path.unlink(missing_ok=True)
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def chat_template_of(model_dir: str | Path) -> str:
     """The chat template transformers (and hence vLLM) loads for this directory: the file
     chat_template.jinja (where transformers saves it since 4.43) wins over tokenizer_config.json's
@@ -245,11 +263,13 @@ def chat_template_of(model_dir: str | Path) -> str:
 
 
 def policy_identity(model_dir: str | Path, serving_precision: str, logprobs_mode: str,
-                    adapter: str | None = None) -> PolicyIdentity:
+                    adapter: str | None = None, chat_template: str | None = None) -> PolicyIdentity:
     """What names the policy besides its version: the base checkpoint's weights, the tokenizer
-    and chat template (hashes of the files the engine loaded), precision and logprobs mode."""
+    and chat template (hashes of the files the engine loaded; `chat_template`: the text of the
+    template that renders the prompts instead, when the task names one), precision and logprobs
+    mode."""
     model = Path(model_dir).resolve()
-    template = chat_template_of(model)
+    template = chat_template if chat_template is not None else chat_template_of(model)
     return PolicyIdentity(
         base_checkpoint=f"{model}@sha256:{weights_digest(model)[:16]}",
         tokenizer_hash=tokenizer_digest(model)[:16],

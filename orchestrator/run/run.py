@@ -10,6 +10,7 @@ RUN_DIR holds:
     orchestrator.jsonl   the structured log (JSON lines); trainer.log, engine logs
     tensorboard/         TensorBoard event files
     http.json            the live query server's address
+    chat_template.jinja  the task's own template (task.chat_template as a path), for export-model
 """
 
 from __future__ import annotations
@@ -206,11 +207,12 @@ class Run:
         from orchestrator.fleet.adapters import probe_targets
         from orchestrator.model import ensure_model
         from orchestrator.observe.metrics import RunMetrics
-        from orchestrator.run.recording import Recorder, policy_identity
+        from orchestrator.run.recording import Recorder, keep_run_template, policy_identity
         from orchestrator.run.resume import DispatchJournal
         from orchestrator.scoring.scorer import make_scorer
         from orchestrator.tasks import make_task
         from orchestrator.tasks.entrypoint import run_search_path
+        from orchestrator.tasks.templates import template_text
         from orchestrator.tasks.user_code import UserCode
         from orchestrator.trainer.launcher import TrainerProcess
 
@@ -221,8 +223,10 @@ class Run:
             model_dir = str(await anyio.to_thread.run_sync(
                 lambda: ensure_model(config.engine.model, preset=config.run.model_preset, seed=config.run.seed)))
         lora = config.trainer.lora
+        template = template_text(config.task.chat_template, "task.chat_template")
+        keep_run_template(self.run_dir, template)
         self.identity = policy_identity(model_dir, config.engine.dtype, self.logprobs_mode,
-                                        lora.identity if lora is not None else None)
+                                        lora.identity if lora is not None else None, chat_template=template)
         self.metrics = RunMetrics()
         self.recorder = Recorder(self.run_dir, fsync_every_records=config.run.fsync_every_records,
                                  fsync_every_ms=config.run.fsync_every_ms, on_record=self.metrics.on_record)

@@ -43,13 +43,11 @@ def template_source(chat_template: bool | str) -> str:
     return "the model's chat template"
 
 
-def with_template(tokenizer, chat_template: bool | str, field: str):
-    """The tokenizer whose template renders the task: itself, or (a path) a copy of it holding
-    that file's template (a copy: a tokenizer handed in by the caller is left as it was). An
-    unreadable or empty file is refused, naming `field`; one that does not parse is refused
-    by the first rendering at start (`template_errors`)."""
+def template_text(chat_template: bool | str, field: str) -> str | None:
+    """The text of a template file (`task.chat_template` as a path); None for the model's own.
+    An unreadable or empty file is refused, naming `field`."""
     if not isinstance(chat_template, str):
-        return tokenizer
+        return None
     path = Path(chat_template)
     try:
         text = path.read_text()
@@ -57,6 +55,17 @@ def with_template(tokenizer, chat_template: bool | str, field: str):
         raise ConfigError(field, f"cannot read the chat template file {path}: {exc}") from None
     if not text.strip():
         raise ConfigError(field, f"{path} is empty: a Jinja chat template expected")
+    return text
+
+
+def with_template(tokenizer, chat_template: bool | str, field: str):
+    """The tokenizer whose template renders the task: itself, or (a path) a copy of it holding
+    that file's template (a copy: a tokenizer handed in by the caller is left as it was). An
+    unreadable or empty file is refused, naming `field`; one that does not parse is refused
+    by the first rendering at start (`template_errors`)."""
+    text = template_text(chat_template, field)
+    if text is None:
+        return tokenizer
     copied = copy.copy(tokenizer)
     copied.chat_template = text
     return copied

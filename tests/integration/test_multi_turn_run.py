@@ -179,9 +179,20 @@ def _consumed_episodes(run_dir: Path, turns: int) -> list[RolloutRecord]:
 
 
 def test_an_openai_client_agent_produces_episodes_the_trainer_consumes(tmp_path, rl_model, run_server):
+    """With a template file of its own (task.chat_template as a path): the run renders with it,
+    its identity hashes it, and RUN_DIR keeps the copy that export-model writes out."""
+    import hashlib
+
+    from orchestrator.run.recording import RUN_TEMPLATE, chat_template_of
+
+    own = "{#- the run's own copy -#}\n" + chat_template_of(rl_model)
+    (tmp_path / "own.jinja").write_text(own)
     run_dir = _small_run(tmp_path, 'agent = "orchestrator.tasks.toy_agent:digits_agent"\n'
-                                   'entrypoint = "orchestrator.tasks.toy_agent:rows"', (rl_model, run_server))
-    _consumed_episodes(run_dir, turns=2)
+                                   'entrypoint = "orchestrator.tasks.toy_agent:rows"\n'
+                                   f'chat_template = "{tmp_path / "own.jinja"}"', (rl_model, run_server))
+    consumed = _consumed_episodes(run_dir, turns=2)
+    assert (run_dir / RUN_TEMPLATE).read_text() == own
+    assert {r.identity.chat_template_hash for r in consumed} == {hashlib.sha256(own.encode()).hexdigest()[:16]}
     verified = inflight("replay", str(run_dir), "--verify-spans")
     assert verified.returncode == 0 and "verify spans: passed" in verified.stdout, verified.stdout[-2000:]
 

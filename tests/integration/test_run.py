@@ -24,6 +24,7 @@ import pytest
 
 from replay.log import read_records
 from replay.records import ActivationRecord, ConsumptionRecord, RolloutRecord
+from tests.helpers import attach_to
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 INFLIGHT = [sys.executable, "-m", "orchestrator.commands.cli"]
@@ -133,10 +134,12 @@ def reward_by_step(records) -> dict[int, float]:
 
 
 @pytest.mark.timeout(1200)
-def test_the_default_run_learns_digits_with_async_staleness_and_live_stats_match_the_log(tmp_path, rl_model):
+def test_the_default_run_learns_digits_with_async_staleness_and_live_stats_match_the_log(tmp_path, rl_model,
+                                                                                          run_server):
     run_dir = tmp_path / "run"
     config = write_config(tmp_path / "run.toml", rl_model)
-    config.write_text(config.read_text().replace("[run]\n", "[run]\nlinger_s = 120\n"))
+    config.write_text(config.read_text().replace("[run]\n", "[run]\nlinger_s = 120\n")
+                      .replace("[engine]\n", "[engine]\n" + attach_to(run_server), 1))
     log = tmp_path / "out.log"
     proc = start([str(config), "--run-dir", str(run_dir), "--max-steps", "60"], log)
     try:

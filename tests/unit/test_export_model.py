@@ -346,3 +346,35 @@ def test_eval_of_a_version_the_run_does_not_have_exits_2_naming_those_it_has(run
     assert main(["eval", str(root), "--version", "9"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "--version" in err and "available: 0, 1, 2, 3" in err, err
+
+
+def test_a_run_with_its_own_chat_template_exports_that_template(tmp_path, tiny_model_dir):
+    """`task.chat_template` as a path: the run's identity hashes that template (what rendered the
+    prompts), RUN_DIR keeps a copy, and the export carries it (not the base model's), so the
+    exported model renders as the run did; a copy that no longer matches the recorded hash is
+    refused naming the chat template."""
+    from transformers import AutoTokenizer
+
+    from orchestrator.run.recording import RUN_TEMPLATE, keep_run_template, policy_identity
+
+    own = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}" \
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    base_hash = policy_identity(tiny_model_dir, "", "").chat_template_hash
+    assert policy_identity(tiny_model_dir, "", "", chat_template=own).chat_template_hash not in ("", base_hash)
+    root = tmp_path / "run"
+    make_run(root, tiny_model_dir, steps=1, log=False)
+    keep_run_template(root, own)
+    from replay.log import ReplayLog
+    from replay.records import RunMetaRecord
+
+    with ReplayLog.open(root) as replay:
+        replay.append(RunMetaRecord(run_id=RUN_ID, created_at=time.time(),
+                                    identity=policy_identity(tiny_model_dir, "float32", "raw_logprobs",
+                                                             chat_template=own),
+                                    config={"model_dir": str(tiny_model_dir.resolve())}))
+    export_model(root, 1, out_dir=tmp_path / "out")
+    assert (tmp_path / "out" / RUN_TEMPLATE).read_text() == own
+    assert AutoTokenizer.from_pretrained(tmp_path / "out").chat_template == own
+    (root / RUN_TEMPLATE).write_text(own + " ")
+    with pytest.raises(ModelError, match="chat template changed"):
+        export_model(root, 1, out_dir=tmp_path / "out2")
