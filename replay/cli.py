@@ -181,13 +181,29 @@ def render_stats(stats: dict[str, Any], *, per_step: bool = False, console: Any 
                           versions, " -> ".join(history.get(name, [])))
         console.print(table)
 
+    wait = stats.get("trainer_wait_s") or {}
+    if wait.get("count"):
+        console.print(f"trainer waited for its batch: mean {_cell(wait['mean'])}s, p90 {_cell(wait['p90'])}s, "
+                      f"max {_cell(wait['max'])}s over {wait['count']} steps")
+
+    if stats.get("eval"):
+        evals = Table(title="Held-out evaluations (version: the one that sampled most tokens)")
+        for name in ("step", "version", "versions", "mixed", "task", "k", "pass@k", "mean@k"):
+            evals.add_column(name, justify="left" if name in ("versions", "task") else "right")
+        for e in stats["eval"]:
+            versions = e.get("versions") or [e["version"]]
+            evals.add_row(str(e["step"]), str(e["version"]), ",".join(map(str, versions)), str(e.get("mixed", 0)),
+                          e["task"], str(e["k"]), _cell(e["pass_at_k"]), _cell(e["mean_at_k"]))
+        console.print(evals)
+
     if per_step and stats["per_step"]:
         steps = Table(title="Per trainer step")
-        names = list(stats["per_step"][0])
+        # every row's keys: some rows lack one (trainer_wait_s of a trainer process's first step)
+        names = list(dict.fromkeys(name for row in stats["per_step"] for name in row))
         for name in names:
             steps.add_column(name.replace("_", " "), justify="right")
         for row in stats["per_step"]:
-            steps.add_row(*(_cell(row[name]) for name in names))
+            steps.add_row(*(_cell(row.get(name)) for name in names))
         console.print(steps)
 
 

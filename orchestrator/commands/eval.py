@@ -61,7 +61,8 @@ async def _main(args: argparse.Namespace) -> int:
     # standalone, no trainer step is known: only the version
     out = {"step": None, "version": record.version, "task": record.task, "k": record.k,
            "mean_at_k": record.mean_at_k, "pass_at_k": record.pass_at_k, "prompts": record.prompts,
-           "pass_threshold": record.pass_threshold, "components": record.components, "model": str(target)}
+           "pass_threshold": record.pass_threshold, "components": record.components, "model": str(target),
+           "versions": record.versions, "mixed": record.mixed}
     if args.json:
         print(json.dumps(out))
     else:
@@ -116,7 +117,9 @@ async def evaluate_model(config, model_dir: str, version: int, log_dir: Path, co
     async with engine:
         await engine.set_weight_version(version)  # its tokens carry the version they were sampled by
         fleet = Fleet([engine], live_version=version)
-        return await evaluator.run(fleet, step=0, version=version)
+        # one version, no activation: every token carries `version`; nothing else to serve, so
+        # more requests at once than a run's eval.max_inflight
+        return await evaluator.run(fleet, step=0, version=version, concurrency=max(64, config.eval.max_inflight))
 
 
 def _int(text: str) -> int:

@@ -121,8 +121,9 @@ class EvalConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Held-out evaluation on the live fleet while training goes on (docs/tasks.md#evaluation).
 
     Every `every_steps` trainer steps (and before the first, with `at_start`) the first
-    `max_prompts` prompts of the eval task are sampled `samples_per_prompt` (k) times at the live
-    version; activations wait until it ends, so every eval token carries one version. mean@k is
+    `max_prompts` prompts of the eval task are sampled `samples_per_prompt` (k) times, at most
+    `max_inflight` requests at once, beside the training rollouts. Activations go on meanwhile:
+    the eval record names the versions its tokens came from (orchestrator/run/eval.py). mean@k is
     the mean reward of the samples, pass@k the share of prompts with a sample whose reward is at
     least `pass_threshold`. Eval rollouts never reach the trainer.
     The task fields below default to [task]'s: set `dataset` (or `entrypoint`) to a held-out set.
@@ -147,12 +148,15 @@ class EvalConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     system_prompt: str | None = None
     rewards: list[dict[str, object]] | None = None
     id: str | None = None
+    # Eval requests in flight at once during a run: the share of the engines an evaluation may
+    # take from the training rollouts (`inflight eval`, with nothing else to serve, sends 64).
+    max_inflight: int = 16
 
     def validate(self) -> EvalConfig:
         for name in ("every_steps",):
             if getattr(self, name) < 0:
                 raise ConfigError(f"eval.{name}", f"must be >= 0, got {getattr(self, name)}")
-        for name in ("samples_per_prompt", "max_prompts"):
+        for name in ("samples_per_prompt", "max_prompts", "max_inflight"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"eval.{name}", f"must be >= 1, got {getattr(self, name)}")
         if self.temperature is not None and not self.temperature > 0:

@@ -122,6 +122,14 @@ class Progress:
         return Panel(table, title="inflight run", expand=False)
 
 
+def eval_versions(version: int, versions: list[int], mixed: int) -> str:
+    """"v7", or "v7 (v6-v8, 3 mixed)" for an evaluation whose tokens came from several versions
+    (`version` sampled the most of them; `mixed` samples span two or more)."""
+    if len(versions) <= 1:
+        return f"v{version}"
+    return f"v{version} (v{versions[0]}-v{versions[-1]}, {mixed} mixed)"
+
+
 def summary(state: ProgressState, stats: dict, run_dir: str, http_url: str | None, stopped: str | None = None,
             startup: str | None = None) -> str:
     """The one-screen summary printed when the run ends."""
@@ -142,7 +150,7 @@ def summary(state: ProgressState, stats: dict, run_dir: str, http_url: str | Non
         f"{counts.get('errored', 0)} errored; dropped for staleness {stats.get('dropped_for_staleness', 0)}",
         f"  activations {acts.get('count', 0)} {acts.get('by_outcome', {})}  pause p50 "
         f"{_fmt(pause.get('p50'), '.3f')}s",
-        *[f"  eval        step {e['step']} v{e['version']} {e['task']}: pass@{e['k']} {_fmt(e['pass_at_k'])}  "
+        *[f"  eval        step {e['step']} {eval_versions(e['version'], e.get('versions') or [], e.get('mixed', 0))} {e['task']}: pass@{e['k']} {_fmt(e['pass_at_k'])}  "
           f"mean@{e['k']} {_fmt(e['mean_at_k'])}" for e in (stats.get("eval") or [])[-3:]],
         *([f"  startup     {startup}"] if startup else []),
         "",

@@ -54,7 +54,8 @@ class RunLoop:
         self._rollout_scope: anyio.CancelScope | None = None
         self._pending_dispatch: list[sch.Dispatch] = []
         self._dispatch_wakeup = anyio.Event()
-        # Held by an activation and by a held-out evaluation: no version goes live mid-evaluation.
+        # Held by an activation and by a fenced engine's rejoin (never by an evaluation, which
+        # runs beside activations: orchestrator/run/eval.py).
         self.activation_lock = anyio.Lock()
         self.eval_wanted = anyio.Event()
         self.lost_batches: list[sch.Discard] = []  # batches of a lost trainer, settled at teardown
@@ -440,7 +441,7 @@ class RunLoop:
             version = self.wanted_version
             if version <= fleet.live_version:
                 continue
-            async with self.activation_lock:  # never in the middle of a held-out evaluation
+            async with self.activation_lock:  # never in the middle of a rejoin
                 record = await fleet.activate(version)
             self.run.record_activation(record)
             for eo in record.engines:

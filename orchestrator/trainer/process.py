@@ -111,6 +111,7 @@ class Trainer:
         self.pad_id = int(pad) if pad is not None else 0  # padding is masked out: any id will do
         self.step = 0
         self.current: int | None = None  # the step being trained (named by Failed if it raises)
+        self.done_at: float | None = None  # perf_counter when its last step ended (None: none yet)
         self.resumed = False
         self.publisher: Publisher | AdapterPublisher | None = None
         self.writer = BackgroundWriter(run_dir, self.tc.keep_checkpoints) if self.tc.background_checkpoints else None
@@ -237,6 +238,8 @@ class Trainer:
         result = self._train(batch)
         self.step = batch.step
         metrics = dict(result.metrics, train_s=time.perf_counter() - started)
+        if self.done_at is not None:  # idle since its last step: waiting for this batch
+            metrics["wait_s"] = started - self.done_at
         publish = self.step % self.tc.publish_every == 0
         self._make_durable(batch, result, metrics, publish)
         version = self._publish(metrics) if publish else None
@@ -245,6 +248,7 @@ class Trainer:
         seconds = time.perf_counter() - started
         log.info("trainer.step", step=self.step, version=version, loss=result.loss, reward_mean=result.reward_mean,
                  seconds=round(seconds, 4))
+        self.done_at = time.perf_counter()
         return StepDone(step=self.step, version=version, loss=result.loss, reward_mean=result.reward_mean,
                         metrics=metrics, seconds=seconds, rollout_ids=result.rollout_ids,
                         advantages=pack_f32(result.advantages), log_ratio_mean=pack_f32(result.log_ratio_mean),

@@ -90,6 +90,10 @@ class Columns:
     # step -> the mean of each reward component over the rollouts it consumed ("reward/<name>"
     # metrics of its consumption record; absent for logs written before components existed)
     step_components: dict[int, dict[str, float]] = field(default_factory=dict)
+    # step -> how long the trainer waited for its batch (the "wait_s" metric of its consumption
+    # record: idle since its previous step; absent for a trainer process's first step and in logs
+    # written before the metric)
+    step_wait_s: dict[int, float] = field(default_factory=dict)
 
     @property
     def rows(self) -> int:
@@ -140,6 +144,7 @@ class ColumnBuilder:
         self._ledger = Ledger()
         self._evals: list[EvalRecord] = []
         self._step_components: dict[int, dict[str, float]] = {}
+        self._step_wait_s: dict[int, float] = {}
 
     @property
     def rows(self) -> int:
@@ -155,6 +160,8 @@ class ColumnBuilder:
                               if k.startswith("reward/")}
                 if components:
                     self._step_components.setdefault(record.step, components)
+                if "wait_s" in record.metrics:
+                    self._step_wait_s.setdefault(record.step, record.metrics["wait_s"])
         elif isinstance(record, ActivationRecord):
             self.add_activation(record)
         elif isinstance(record, EvalRecord):
@@ -344,6 +351,7 @@ class ColumnBuilder:
             invalid_consumptions=self._ledger.invalid,
             evals=list(self._evals),
             step_components=dict(self._step_components),
+            step_wait_s=dict(self._step_wait_s),
         )
 
 

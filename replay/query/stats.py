@@ -153,6 +153,7 @@ def compute_stats(columns: Columns, filters: Filters | None = None) -> dict[str,
                                              int(columns.env_tokens[with_tokens].sum() + tokens.sum())),
         "activations": _activation_stats(columns, filters),
         "per_step": _per_step(columns, consumed_rows),
+        "trainer_wait_s": summarize(_waits(columns, filters)),
         "unmatched_consumptions": columns.unmatched_consumptions,
         "unmatched_discards": columns.unmatched_discards,
         "invalid_consumptions": columns.invalid_consumptions,
@@ -169,8 +170,17 @@ def _evals(columns: Columns, filters: Filters) -> list[dict[str, Any]]:
             continue
         out.append({"step": e.step, "version": e.version, "task": e.task, "k": e.k, "mean_at_k": e.mean_at_k,
                     "pass_at_k": e.pass_at_k, "prompts": e.prompts, "pass_threshold": e.pass_threshold,
-                    "components": dict(e.components)})
+                    "components": dict(e.components),
+                    # a log written before versions were recorded: one version per evaluation
+                    "versions": list(e.versions) or [e.version], "mixed": e.mixed, "due_version": e.due_version})
     return out
+
+
+def _waits(columns: Columns, filters: Filters) -> np.ndarray:
+    """The trainer's wait for each step's batch (seconds), within the step filter."""
+    return np.array([w for step, w in sorted(columns.step_wait_s.items())
+                     if (filters.step_min is None or step >= filters.step_min)
+                     and (filters.step_max is None or step <= filters.step_max)], np.float64)
 
 
 def _trainer_version(columns: Columns, rows: np.ndarray) -> np.ndarray:
@@ -333,6 +343,8 @@ def _per_step(columns: Columns, consumed_rows: np.ndarray) -> list[dict[str, Any
         components = columns.step_components.get(row["step"])
         if components:
             row["reward_components"] = dict(components)
+        if row["step"] in columns.step_wait_s:
+            row["trainer_wait_s"] = columns.step_wait_s[row["step"]]
     return rows
 
 

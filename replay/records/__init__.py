@@ -7,7 +7,7 @@ One log holds a tagged union of record types (the msgpack map key ``"type"`` nam
     consumption  ConsumptionRecord which rollouts a trainer step consumed (and what it measured)
     discard      DiscardRecord     completed rollouts that no trainer step will consume
     run_meta     RunMetaRecord     run identity and configuration
-    eval         EvalRecord        a held-out evaluation at one version (never trained on)
+    eval         EvalRecord        a held-out evaluation, labelled with its tokens' versions (never trained on)
 
 A reader meets record types it does not know when a newer writer wrote the log:
 `decode_record` raises `UnknownRecordTypeError` for them, and the log readers skip and count

@@ -317,12 +317,18 @@ class EvalPrompt(msgspec.Struct, frozen=True):
     rewards: list[float]  # one per sample that was scored (errored samples are absent)
     completion_tokens: list[int]  # the same samples' completion lengths
     errored: int = 0  # samples that ended without a score (engine error, reward error)
+    # The same samples' versions: for each, every version that sampled one of its tokens (sorted;
+    # two or more when an activation landed while it ran). Empty in logs written before versions
+    # were recorded per sample (each sample then had the record's `version`).
+    versions: list[list[int]] = msgspec.field(default_factory=list)
 
 
 class EvalRecord(msgspec.Struct, frozen=True, tag="eval", tag_field="type"):
-    """A held-out evaluation at one version: never consumed by the trainer, left out of every
-    staleness statistic. Every evaluated token was sampled by `version` (activations wait while
-    an evaluation runs)."""
+    """A held-out evaluation: never consumed by the trainer, left out of every staleness
+    statistic. It runs beside activations (orchestrator/run/eval.py), so its tokens may come from
+    several versions: `versions` names them all, `version` the one that sampled the most of its
+    tokens, `mixed` counts the scored samples whose own tokens span two versions or more. A log
+    written before these fields (`versions` empty) held one version per evaluation: `version`."""
 
     step: int  # trainer steps done when it ran (0: before the first)
     version: int
@@ -336,6 +342,10 @@ class EvalRecord(msgspec.Struct, frozen=True, tag="eval", tag_field="type"):
     components: dict[str, float] = msgspec.field(default_factory=dict)  # mean of each reward component
     at: float | None = None
     seconds: float | None = None
+    versions: list[int] = msgspec.field(default_factory=list)  # every version that sampled a token of it, sorted
+    mixed: int = 0  # scored samples whose tokens came from two versions or more
+    due_version: int | None = None  # the live version that made it due (live when it began)
+    started_at: float | None = None  # time.time() when it began (`at`: when it ended)
 
     def __post_init__(self) -> None:
         for name in ("step", "version", "k", "prompts"):

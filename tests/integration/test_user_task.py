@@ -1,6 +1,6 @@
 """A user's own task through `inflight run` (real engine, real trainer, a task package in a
 temporary directory that this project knows nothing of): it learns, its faults are recorded and
-the run goes on, held-out evaluation runs at one version per record, W&B gets the field's names,
+the run goes on, held-out evaluation runs beside activations, labelled with its versions, W&B gets the field's names,
 and --resume after SIGKILL continues at the next dataset row (on the run the resume tests share,
 of this module's package: tests/integration/conftest.py).
 
@@ -147,15 +147,18 @@ max_prompts = 8
     assert any("tripped on" in r.status.message for r in errored if r.status.kind == "reward_error")
     assert stats["errored_by_kind"]["reward_error"] >= 8
 
-    # Evaluation: at the configured versions, one version per record, never trained on.
+    # Evaluation: due at the configured versions, beside activations (each record names the
+    # versions of its tokens: tests/integration/test_eval_run.py), never trained on.
     evals = [r for r in records if isinstance(r, EvalRecord)]
-    assert len(evals) >= 3 and evals[0].version == 0
-    rounds = [e.version // 10 for e in evals]  # the first live version at or past each multiple of 10
-    assert rounds == sorted(set(rounds)) and all(e.version - 10 * (e.version // 10) <= 2 for e in evals), [
-        e.version for e in evals]
+    assert len(evals) >= 2 and evals[0].due_version == 0
+    rounds = [e.due_version // 10 for e in evals]  # one per multiple of 10 (those due mid-evaluation skipped)
+    assert rounds == sorted(set(rounds)), [(e.due_version, e.versions) for e in evals]
+    for before, after in zip(evals, evals[1:]):  # one at a time: the next begins once the one before ended
+        assert after.due_version >= before.versions[-1]
     for e in evals:
         assert e.k == 4 and e.prompts == 8 and e.task == "heldout"
-        assert all(len(p.rewards) == 4 and p.errored == 0 for p in e.results)  # every sample at e.version
+        assert all(len(p.rewards) == len(p.versions) == 4 and p.errored == 0 for p in e.results)
+        assert e.version in e.versions and e.versions[0] >= e.due_version
         passed = sum(any(x >= e.pass_threshold for x in p.rewards) for p in e.results)
         assert e.pass_at_k == passed / len(e.results)
         assert e.mean_at_k == pytest.approx(sum(x for p in e.results for x in p.rewards) / (4 * len(e.results)))

@@ -27,6 +27,8 @@ from replay.records import (
     Dropped,
     EngineActivation,
     Errored,
+    EvalPrompt,
+    EvalRecord,
     PolicyIdentity,
     RolloutRecord,
     RunMetaRecord,
@@ -73,6 +75,9 @@ GOLDEN_FIELDS = {
     Timings: ["dispatched_at", "first_token_at", "finished_at"],
     Dropped: ["reason"],
     Errored: ["kind", "message"],
+    EvalRecord: ["step", "version", "task", "k", "prompts", "mean_at_k", "pass_at_k", "pass_threshold",
+                 "results", "components", "at", "seconds", "versions", "mixed", "due_version", "started_at"],
+    EvalPrompt: ["prompt_id", "rewards", "completion_tokens", "errored", "versions"],
 }
 
 
