@@ -95,8 +95,8 @@ class Scorer:
 
     async def score(self, prompt, completion_token_ids: Sequence[int]) -> dict[str, float]:
         try:
-            with anyio.fail_after(self.timeout_s):
-                async with self.limiter:
+            async with self.limiter:  # the wait for a free thread is not the call's time (as ScorePool's)
+                with anyio.fail_after(self.timeout_s):
                     rewards = await self._threads.run(self.task.score_sync, prompt, completion_token_ids)
         except TimeoutError:
             raise ScoreFailed(REWARD_TIMEOUT, f"scoring took longer than task.score_timeout_s "

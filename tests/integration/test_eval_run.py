@@ -15,6 +15,7 @@ import subprocess
 import pytest
 
 from replay.records import ActivationRecord, EvalRecord
+from tests.helpers import attach_to
 from tests.integration.test_run import INFLIGHT, check_log_invariants, finish, kill_group, start, stats_json
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
@@ -23,11 +24,12 @@ STEPS = 8
 
 
 @pytest.mark.timeout(900)
-def test_evaluations_run_beside_activations_and_name_their_versions(tmp_path, rl_model):
+def test_evaluations_run_beside_activations_and_name_their_versions(tmp_path, rl_model, run_server):
     config = tmp_path / "run.toml"
     config.write_text(f"""
 [engine]
 model = "{rl_model}"
+{attach_to(run_server)}
 [run]
 progress = "plain"
 tensorboard = false

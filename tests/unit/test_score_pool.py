@@ -351,3 +351,26 @@ def test_a_thread_scorer_whose_reward_never_returns_lets_the_process_exit(tmp_pa
                           cwd=Path(__file__).resolve().parents[2])
     assert done.returncode == 0, done.stderr[-2000:]
     assert "threads 2" in done.stdout and "main done" in done.stdout, done.stdout  # the hung one + one reused
+
+
+async def test_a_thread_scorers_timeout_counts_the_call_not_its_wait_for_a_thread():
+    """Eight calls of 0.3 s on one thread with a 1 s timeout: each is within its time, though the
+    last waits about 2 s for the thread (counting the wait, an evaluation's burst of samples timed
+    out behind one another)."""
+    import time
+
+    class Slow:
+        def score_sync(self, prompt, ids):
+            time.sleep(0.3)
+            return {"reward": 1.0}
+
+    scorer = Scorer(Slow(), workers=1, timeout_s=1.0)
+    results = []
+
+    async def one():
+        results.append(await scorer.score("p", [1]))
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(8):
+            tg.start_soon(one)
+    assert results == [{"reward": 1.0}] * 8
