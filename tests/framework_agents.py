@@ -85,10 +85,10 @@ def first_messages(kind: str) -> tuple[list[dict], list[dict]]:
     if kind == "sdk":
         from agents import function_tool
 
-        from orchestrator.tasks.responses_api import _tools
+        from orchestrator.tasks.responses_api import function_tools
 
         sdk_tool = function_tool(add)
-        tools = _tools([{"type": "function", "name": sdk_tool.name, "description": sdk_tool.description,
+        tools = function_tools([{"type": "function", "name": sdk_tool.name, "description": sdk_tool.description,
                          "parameters": sdk_tool.params_json_schema, "strict": True}])
     else:
         tools = [{"type": "function", "function": {"name": "add", "description": "Add two integers.",

@@ -69,7 +69,7 @@ def chat_request(body: dict) -> tuple[list[dict], list | None]:
     else:
         raise Refused(400, "input", "must be a non-empty string or list of input items")
     check_tool_choice(body)
-    return messages, _tools(body.get("tools"))
+    return messages, function_tools(body.get("tools"))
 
 
 def _input_messages(items: list) -> list[dict]:
@@ -111,7 +111,7 @@ def _string(item: dict, key: str, at: str) -> str:
     return item[key]
 
 
-def _tools(tools) -> list | None:
+def function_tools(tools) -> list | None:
     """Responses function tools in the chat shape; `strict` is dropped (the arguments are what
     the model samples, never constrained)."""
     if tools is None:
