@@ -10,7 +10,9 @@ The agent runs off the run's event loop, through the run's user-code runner (`us
 in a worker thread of its own for the whole episode (the run's threads follow
 `scheduler.max_inflight`, one per episode in flight), an async agent on that thread's own event
 loop (`user_code.call_in_thread`); its client is made in that thread, with the run's token as
-api_key and the episode's id in the `X-Inflight-Episode` header, and closed after. It is bounded
+api_key and a base URL naming the episode (`{base}/e/{episode}/v1`, so a client made from the
+base URL and key alone, an Agents SDK model or a LangChain ChatOpenAI, lands in the episode too;
+the `X-Inflight-Episode` header says it again), and closed after. It is bounded
 by `timeout_s`, counted from when its thread starts it (never the wait for a thread): past it
 the episode ends with `AgentTimeout` (Python cannot stop the thread; it is abandoned, left to
 finish, and its later calls get 404). The episode is closed whatever happens (a call in flight
@@ -103,7 +105,7 @@ class AgentEpisodes:
         return episode
 
     async def _run_agent(self, episode_id: str, row: dict):
-        base_url = self.base_url_fn().rstrip("/") + "/v1"
+        base_url = f"{self.base_url_fn().rstrip('/')}/e/{episode_id}/v1"
         args = (self.run_fn, base_url, self.endpoint.token, episode_id, copy.deepcopy(row), self.timeout_s)
         what = f"the agent {self.name}"
         try:

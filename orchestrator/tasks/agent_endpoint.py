@@ -1,12 +1,15 @@
-"""An OpenAI-compatible endpoint for agents (issue #19, docs/agents.md): any agent written against
-the `openai` client produces episodes with exact tokens, logprobs and versions.
+"""An OpenAI-compatible endpoint for agents (issues #19, #33; docs/agents.md): any agent written
+against the `openai` client, the OpenAI Agents SDK or LangChain produces episodes with exact tokens,
+logprobs and versions.
 
-    POST /v1/chat/completions   POST /v1/completions   GET /v1/models
+    POST /v1/chat/completions   POST /v1/completions   POST /v1/responses   GET /v1/models
+    and each under /e/{episode}: /e/{episode}/v1/chat/completions, ...
     POST /inference/v1/generate, /e/{episode}/inference/v1/generate   (token in, token out: token_route.py)
 
 Every call needs `Authorization: Bearer <the run's token>` (the openai client's api_key) and
-names its episode by the header `X-Inflight-Episode` or the body field `episode` (both may be
-given; they must agree). The episode is opened by the run (`open_episode`) and closed by it
+names its episode by the path (`/e/{episode}/v1/...`: a client that knows only a base URL and a
+key), the header `X-Inflight-Episode` or the body field `episode`; any of them given must agree
+(`_episode_id`). The episode is opened by the run (`open_episode`) and closed by it
 (`close_episode`): a call naming an unknown or closed episode is a 404.
 
 Token in, token out: the first call renders its messages with the chat template; a later call
@@ -14,16 +17,19 @@ must repeat the episode's conversation so far (the model's replies as returned, 
 and content) and add new user / tool / system messages, whose tokens are the template's *delta*
 (`turns.TurnRenderer.delta`) appended to the episode's exact tokens: nothing is tokenized twice.
 A call that does not extend the conversation is refused (400 naming the first message that
-differs). /v1/completions: the first prompt is tokenized; a later prompt must be the previous
-prompt + completion text exactly, and only the text it adds is tokenized.
+differs). /v1/responses maps its input items onto the same messages (`responses_api.py`).
+/v1/completions: the first prompt is tokenized; a later prompt must be the previous prompt +
+completion text exactly, and only the text it adds is tokenized.
 
-Sampling is the run's: `sampling_check(body)` refuses (ConfigError naming the field) a request
-whose sampling parameters differ from what the run samples with, so a record never claims
-settings that were not used (`tasks.agent.sampling_checker(settings)` builds one); without a
-check, any sampling parameter is refused. n != 1, streaming, top logprobs and unknown fields are
-refused. One call at a time per episode (409). A bad request is a 4xx naming the field; nothing
-a client sends stops the run. When the engine's turn fails (`sample` raises), the call gets 502
-and the episode keeps the error (`failure`), for the run to raise.
+`stream: true` answers in Server-Sent Events (`agent_stream.py`), sent once the turn is sampled,
+joining to exactly the unstreamed reply. Sampling is the run's: `sampling_check(body)` refuses
+(ConfigError naming the field) a request whose sampling parameters differ from what the run
+samples with, so a record never claims settings that were not used
+(`tasks.agent.sampling_checker(settings)` builds one); without a check, any sampling parameter is
+refused. n != 1, top logprobs and unknown fields are refused. One call at a time per episode
+(409). A bad request is a 4xx naming the field; nothing a client sends stops the run. When the
+engine's turn fails (`sample` raises), the call gets 502 and the episode keeps the error
+(`failure`), for the run to raise.
 """
 
 from __future__ import annotations
@@ -31,10 +37,7 @@ from __future__ import annotations
 import hmac
 import itertools
 import json
-import math
-import re
 import secrets
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -42,18 +45,20 @@ import anyio
 
 from orchestrator.errors import ConfigError
 from orchestrator.observe.logging import get_logger
-from orchestrator.tasks.env import Episode, Sampler, ToolEnvironment, _reply_text
-from orchestrator.tasks.tools import MalformedToolCall, parse_tool_calls
+from orchestrator.tasks import agent_stream, responses_api
+from orchestrator.tasks.agent_messages import (MODEL_NAME, Refused, chat_messages, chat_tools, error, extension,
+                                               finite, reply, split_tool_calls)
+from orchestrator.tasks.env import Episode, SampledTurn, Sampler, ToolEnvironment, _reply_text
 from orchestrator.tasks.turns import TurnRenderer
+
+__all__ = ["EPISODE_HEADER", "MODEL_NAME", "SAMPLING_FIELDS", "AgentEndpoint", "ChatTurn", "Refused"]
 
 log = get_logger(__name__)
 
 EPISODE_HEADER = "X-Inflight-Episode"
-MODEL_NAME = "inflight"
-_ROLES = ("system", "user", "assistant", "tool")
 # Fields that do not change what is sampled: accepted and ignored.
 _IGNORED = {"model", "episode", "user", "metadata", "store", "parallel_tool_calls", "service_tier",
-            "prompt_cache_key", "safety_identifier", "stream_options"}
+            "prompt_cache_key", "safety_identifier", "stream_options", "prompt_cache_retention"}
 # Fields this module reads itself (per path), beyond the prompt.
 _HANDLED = {"max_tokens", "n", "stream", "logprobs"}
 _CHAT = _HANDLED | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice"}
@@ -62,15 +67,6 @@ _TEXT = _HANDLED | {"prompt", "echo", "suffix"}
 SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "min_tokens",
                    "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
                    "best_of", "response_format", "reasoning_effort", "length_penalty"}
-_CALL_BLOCK = re.compile(r"<tool_call>.*?</tool_call>", re.DOTALL)
-
-
-class Refused(Exception):
-    """A request the endpoint answers with an HTTP error naming `param`."""
-
-    def __init__(self, status: int, param: str, reason: str) -> None:
-        super().__init__(f"{param}: {reason}")
-        self.status, self.param, self.reason = status, param, reason
 
 
 @dataclass
@@ -83,8 +79,8 @@ class _Conversation:
     max_episode_tokens: int | None
     started: Callable[[Episode], None] | None
     episode: Episode | None = None
-    kind: str | None = None  # "chat" or "completion": one kind per episode
-    seen: list[dict] = field(default_factory=list)  # chat: the conversation as returned (role, content)
+    kind: str | None = None  # "chat" (chat completions and responses) or "completion": one kind per episode
+    seen: list[dict] = field(default_factory=list)  # chat: the conversation as returned (role, content, calls)
     history: list[dict] = field(default_factory=list)  # Episode.messages before the last reply
     last_ids: list[int] = field(default_factory=list)  # the last turn's sampled ids
     text: str = ""  # completion: prompt + completions so far, as the client sees them
@@ -96,6 +92,17 @@ class _Conversation:
     # The last call was refused for the context length (max_episode_tokens): the episode is cut
     # there unless a later call that fits samples a turn.
     truncated: bool = False
+
+
+@dataclass
+class ChatTurn:
+    """One sampled chat turn as the client is shown it (chat completion or response)."""
+
+    turn: SampledTurn
+    prompt_len: int
+    content: str  # the reply's text outside its tool calls
+    calls: list[dict] | None  # OpenAI `tool_calls`
+    number: int  # the episode's turn count after it
 
 
 class AgentEndpoint:
@@ -141,11 +148,13 @@ class AgentEndpoint:
         return conv.episode
 
     def routes(self) -> list:
+        """Each path at the root and under `/e/{episode}` (the episode named by the URL)."""
         from starlette.routing import Route
 
-        return [Route("/v1/chat/completions", self._guarded(self._chat), methods=["POST"]),
-                Route("/v1/completions", self._guarded(self._completion), methods=["POST"]),
-                Route("/v1/models", self._guarded(self._models), methods=["GET"])]
+        paths = [("/v1/chat/completions", self._chat, "POST"), ("/v1/completions", self._completion, "POST"),
+                 ("/v1/responses", self._responses, "POST"), ("/v1/models", self._models, "GET")]
+        return [Route(prefix + path, self._guarded(handler), methods=[method])
+                for prefix in ("", "/e/{episode}") for path, handler, method in paths]
 
     # -- requests ----------------------------------------------------------------------------------
     def _guarded(self, handler):
@@ -154,14 +163,15 @@ class AgentEndpoint:
         async def endpoint(request):
             try:
                 self._authorize(request)
-                return JSONResponse(await handler(request))
+                answer = await handler(request)
+                return JSONResponse(answer) if isinstance(answer, dict) else answer  # else a stream
             except Refused as exc:
-                return _error(exc.status, exc.param, exc.reason)
+                return error(exc.status, exc.param, exc.reason)
             except ConfigError as exc:  # a sampling check, or the template cannot extend the episode
-                return _error(400, exc.field, exc.reason)
+                return error(400, exc.field, exc.reason)
             except Exception as exc:  # noqa: BLE001 - nothing a client sends may stop the run
                 log.warning("agent.endpoint_error", path=request.url.path, error=f"{type(exc).__name__}: {exc}")
-                return _error(500, "request", f"{type(exc).__name__}: {exc}")
+                return error(500, "request", f"{type(exc).__name__}: {exc}")
         return endpoint
 
     def _authorize(self, request) -> None:
@@ -196,19 +206,22 @@ class AgentEndpoint:
         return episode_id, conv, body
 
     def _episode_id(self, request, body: dict) -> str:
+        """The episode a call names: by its path (`/e/{episode}/...`), the header or the body
+        field; any of them given must agree (400 naming the two that differ)."""
         field_ = body.get("episode")
         if field_ is not None and not isinstance(field_, str):
             raise Refused(400, "episode", f"must be a string, got {type(field_).__name__}")
-        # The URL path (/e/{episode}/...), the header, the body field: any of them, all that are given agree.
-        named = {where: value for where, value in (("the URL path", request.path_params.get("episode")),
-                                                   (f"the header {EPISODE_HEADER}", request.headers.get(EPISODE_HEADER)),
-                                                   ("the body field", field_)) if value is not None}
-        if len(set(named.values())) > 1:
-            raise Refused(400, "episode", "name different episodes: " + ", ".join(f"{where} {value!r}"
-                                                                                 for where, value in named.items()))
+        given = (("the path", request.path_params.get("episode")),
+                 (f"the header {EPISODE_HEADER}", request.headers.get(EPISODE_HEADER)), ("the body field", field_))
+        named = [(where, value) for where, value in given if value is not None]
         if not named:
-            raise Refused(400, "episode", f"name the episode: header {EPISODE_HEADER} or body field episode")
-        return next(iter(named.values()))
+            raise Refused(400, "episode", f"name the episode: the path /e/<episode>/v1/..., header {EPISODE_HEADER} "
+                                          "or body field episode")
+        for where, value in named[1:]:
+            if value != named[0][1]:
+                raise Refused(400, "episode", f"{named[0][0]} ({named[0][1]!r}) and {where} ({value!r}) name "
+                                              "different episodes")
+        return named[0][1]
 
     def _check_fields(self, body: dict, known: set[str]) -> None:
         unknown = sorted(k for k in body if k not in known | _IGNORED | SAMPLING_FIELDS)
@@ -216,8 +229,8 @@ class AgentEndpoint:
             raise Refused(400, unknown[0], "not a parameter this endpoint knows; it refuses what it cannot honour")
         if body.get("n") is not None and body["n"] != 1:
             raise Refused(400, "n", f"must be 1, got {body['n']!r}: an episode is one conversation")
-        if body.get("stream"):
-            raise Refused(400, "stream", "streaming is not served; ask without stream")
+        if body.get("stream") not in (None, True, False):
+            raise Refused(400, "stream", f"must be a boolean, got {body['stream']!r}")
         for name in ("echo", "suffix"):
             if body.get(name):
                 raise Refused(400, name, "not served")
@@ -270,25 +283,26 @@ class AgentEndpoint:
         if conv.started is not None:
             conv.started(conv.episode)
 
-    # -- /v1/chat/completions ------------------------------------------------------------------------
-    async def _chat(self, request) -> dict:
-        episode_id, conv, body = await self._begin(request, "chat", _CHAT)
-        messages = _messages(body.get("messages"))
-        tools = _tools(body)
+    # -- chat: /v1/chat/completions and /v1/responses ---------------------------------------------------
+    async def _chat_turn(self, conv: _Conversation, body: dict, messages: list[dict], tools: list | None, *,
+                         field_: str, max_names: tuple[str, ...]) -> ChatTurn:
+        """One chat turn: the first renders `messages`, a later one must extend the episode's
+        conversation (`agent_messages.extension`, errors naming `field_`'s items)."""
+        plain = [{"role": m["role"], "content": m["content"]} for m in messages]
         conv.busy = True
         try:
             if conv.episode is None:
-                rendered, prompt = self._first_chat_prompt(messages, tools)
-                max_new = self._max_new(body, conv, len(prompt), ("max_completion_tokens", "max_tokens"), "messages")
+                rendered, prompt = self._first_chat_prompt(plain, tools)
+                max_new = self._max_new(body, conv, len(prompt), max_names, field_)
                 self._open_episode(conv, rendered, prompt)
                 conv.kind, conv.tools = "chat", tools
             else:
                 if tools != conv.tools:
                     raise Refused(400, "tools", "differ from the episode's first call: the model saw those")
-                new = _extension(conv.seen, messages)
+                new = extension(conv.seen, messages, field_)
                 delta = self.renderer.delta(conv.history, conv.last_ids, new)
                 prompt = conv.episode.next_prompt() + delta
-                max_new = self._max_new(body, conv, len(prompt), ("max_completion_tokens", "max_tokens"), "messages")
+                max_new = self._max_new(body, conv, len(prompt), max_names, field_)
                 conv.episode.add_environment(delta)
                 conv.episode.messages += new
             history = list(conv.episode.messages)
@@ -299,16 +313,41 @@ class AgentEndpoint:
         conv.history, conv.last_ids = history, list(turn.token_ids)
         conv.episode.messages.append({"role": "assistant", "content": raw})
         parse = bool(tools) and body.get("tool_choice") != "none"
-        content, calls = _split_tool_calls(raw, conv.episode.turns) if parse else (raw, None)
-        conv.seen = messages + [{"role": "assistant", "content": content}]
-        message = {"role": "assistant", "content": content or None, "tool_calls": calls} if calls \
-            else {"role": "assistant", "content": content}
-        finish = "tool_calls" if calls else turn.finish_reason or "stop"
-        choice = {"index": 0, "message": message, "finish_reason": finish,
-                  "logprobs": {"content": self._logprob_items(turn)} if body.get("logprobs") else None,
-                  "token_ids": list(turn.token_ids)}
-        return _reply("chat.completion", f"chatcmpl-{episode_id}-{conv.episode.turns}", body, choice,
-                      len(prompt), len(turn.token_ids))
+        content, calls = split_tool_calls(raw, conv.episode.turns) if parse else (raw, None)
+        conv.seen = messages + [{"role": "assistant", "content": content, "calls": [
+            (c["function"]["name"], c["function"]["arguments"]) for c in calls or []]}]
+        return ChatTurn(turn, len(prompt), content, calls, conv.episode.turns)
+
+    async def _chat(self, request):
+        episode_id, conv, body = await self._begin(request, "chat", _CHAT)
+        messages, tools = chat_messages(body.get("messages")), chat_tools(body)
+        done = await self._chat_turn(conv, body, messages, tools, field_="messages",
+                                     max_names=("max_completion_tokens", "max_tokens"))
+        message = {"role": "assistant", "content": done.content or None, "tool_calls": done.calls} if done.calls \
+            else {"role": "assistant", "content": done.content}
+        choice = {"index": 0, "message": message,
+                  "finish_reason": "tool_calls" if done.calls else done.turn.finish_reason or "stop",
+                  "logprobs": {"content": self._logprob_items(done.turn)} if body.get("logprobs") else None,
+                  "token_ids": list(done.turn.token_ids)}
+        completion = reply("chat.completion", f"chatcmpl-{episode_id}-{done.number}", body, choice, done.prompt_len,
+                           len(done.turn.token_ids))
+        if not body.get("stream"):
+            return completion
+        pieces = None if done.calls else agent_stream.token_pieces(self.renderer, done.turn.token_ids, done.content)
+        return agent_stream.sse_response(agent_stream.chat_chunks(completion, pieces,
+                                                                  agent_stream.include_usage(body)))
+
+    async def _responses(self, request):
+        episode_id, conv, body = await self._begin(request, "chat", responses_api.FIELDS)
+        responses_api.check(body)
+        messages, tools = responses_api.chat_request(body)
+        done = await self._chat_turn(conv, body, messages, tools, field_="input", max_names=("max_output_tokens",))
+        logprobs = self._logprob_items(done.turn) if responses_api.LOGPROBS in (body.get("include") or []) else None
+        response = responses_api.response(done, body, f"{episode_id}_{done.number}", logprobs)
+        if not body.get("stream"):
+            return response
+        pieces = None if done.calls else agent_stream.token_pieces(self.renderer, done.turn.token_ids, done.content)
+        return agent_stream.sse_response(responses_api.events(response, pieces))
 
     def _first_chat_prompt(self, messages: list[dict], tools: list | None) -> tuple[list[dict], list[int]]:
         """Turn 1's messages as rendered, and its tokens. Tools go through the template's `tools=`
@@ -328,14 +367,14 @@ class AgentEndpoint:
         return rendered, self.renderer.first_prompt(rendered)
 
     def _logprob_items(self, turn) -> list[dict]:
-        return [{"token": text, "logprob": _finite(logprob), "bytes": list(text.encode()), "top_logprobs": []}
+        return [{"token": text, "logprob": finite(logprob), "bytes": list(text.encode()), "top_logprobs": []}
                 for text, logprob in zip(self._token_texts(turn), turn.logprobs)]
 
     def _token_texts(self, turn) -> list[str]:
         return [self.renderer.tokenizer.decode([t], skip_special_tokens=False) for t in turn.token_ids]
 
     # -- /v1/completions ----------------------------------------------------------------------------
-    async def _completion(self, request) -> dict:
+    async def _completion(self, request):
         episode_id, conv, body = await self._begin(request, "completion", _TEXT)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1:
@@ -369,96 +408,14 @@ class AgentEndpoint:
         choice = {"index": 0, "text": text, "finish_reason": turn.finish_reason or "stop",
                   "logprobs": self._text_logprobs(turn) if logprobs is not None else None,
                   "token_ids": list(turn.token_ids)}
-        return _reply("text_completion", f"cmpl-{episode_id}-{conv.episode.turns}", body, choice, len(full),
-                      len(turn.token_ids))
+        completion = reply("text_completion", f"cmpl-{episode_id}-{conv.episode.turns}", body, choice, len(full),
+                           len(turn.token_ids))
+        if not body.get("stream"):
+            return completion
+        pieces = agent_stream.token_pieces(self.renderer, turn.token_ids, text)
+        return agent_stream.sse_response(agent_stream.text_chunks(completion, pieces, agent_stream.include_usage(body)))
 
     def _text_logprobs(self, turn) -> dict:
         tokens = self._token_texts(turn)
-        return {"tokens": tokens, "token_logprobs": [_finite(x) for x in turn.logprobs], "top_logprobs": None,
+        return {"tokens": tokens, "token_logprobs": [finite(x) for x in turn.logprobs], "top_logprobs": None,
                 "text_offset": [0, *itertools.accumulate(len(t) for t in tokens)][:len(tokens)]}
-
-
-# -- request parsing -----------------------------------------------------------------------------
-def _messages(value) -> list[dict]:
-    """The request's messages as {role, content} with text content (parts joined)."""
-    if not isinstance(value, list) or not value:
-        raise Refused(400, "messages", "must be a non-empty list of messages")
-    out = []
-    for i, m in enumerate(value):
-        if not isinstance(m, dict):
-            raise Refused(400, f"messages[{i}]", f"must be an object, got {type(m).__name__}")
-        if m.get("role") not in _ROLES:
-            raise Refused(400, f"messages[{i}].role", f"must be one of {', '.join(_ROLES)}, got {m.get('role')!r}")
-        out.append({"role": m["role"], "content": _text(m.get("content"), f"messages[{i}].content")})
-    return out
-
-
-def _text(content, where: str) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                         and isinstance(p.get("text"), str) for p in content):
-        return "".join(p["text"] for p in content)
-    raise Refused(400, where, "must be a string or a list of text parts (the model reads text only)")
-
-
-def _tools(body: dict) -> list | None:
-    tools = body.get("tools")
-    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
-        raise Refused(400, "tools", "must be a list of tool objects")
-    if body.get("tool_choice") not in (None, "auto", "none"):
-        raise Refused(400, "tool_choice", f"only \"auto\" or \"none\": a call cannot be forced, got "
-                                          f"{body['tool_choice']!r}")
-    return tools or None
-
-
-def _extension(seen: list[dict], messages: list[dict]) -> list[dict]:
-    """The messages a later call adds to the episode's conversation (400 if it does not extend it)."""
-    for i, recorded in enumerate(seen):
-        if i >= len(messages):
-            raise Refused(400, f"messages[{i}]", f"missing: the episode's conversation has {len(seen)} messages; a "
-                                                 "later call repeats them all and adds new ones")
-        got = messages[i]
-        if (got["role"], got["content"]) != (recorded["role"], recorded["content"]):
-            raise Refused(400, f"messages[{i}]", f"differs from the episode's conversation (recorded "
-                                                 f"{recorded['role']} {recorded['content'][:60]!r}, got {got['role']} "
-                                                 f"{got['content'][:60]!r}): earlier turns are never tokenized again")
-    new = messages[len(seen):]
-    if not new:
-        raise Refused(400, "messages", "adds no message after the model's last reply")
-    for j, m in enumerate(new):
-        if m["role"] == "assistant":
-            raise Refused(400, f"messages[{len(seen) + j}].role", "a new message cannot be the assistant's: the "
-                                                                  "model's turns are the ones sampled here")
-    return new
-
-
-def _split_tool_calls(raw: str, turn: int) -> tuple[str, list[dict] | None]:
-    """The reply's text outside its tool calls, and the calls as OpenAI `tool_calls` (None when
-    it makes none or they do not parse: then the agent gets the text as it was sampled)."""
-    calls = parse_tool_calls(raw)
-    if isinstance(calls, MalformedToolCall) or not calls:
-        return raw, None
-    return _CALL_BLOCK.sub("", raw).strip(), [
-        {"id": f"call_{turn}_{k}", "type": "function",
-         "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for k, c in enumerate(calls)]
-
-
-def _reply(kind: str, reply_id: str, body: dict, choice: dict, prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"id": reply_id, "object": kind, "created": int(time.time()),
-            "model": body.get("model") if isinstance(body.get("model"), str) else MODEL_NAME, "choices": [choice],
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                      "total_tokens": prompt_tokens + completion_tokens}}
-
-
-def _finite(x: float) -> float | None:
-    return x if math.isfinite(x) else None  # JSON has no -inf; the episode keeps the value itself
-
-
-def _error(status: int, param: str, reason: str):
-    from starlette.responses import JSONResponse
-
-    kind = {401: "authentication_error", 404: "not_found_error", 409: "conflict_error"}.get(
-        status, "invalid_request_error" if status < 500 else "server_error")
-    return JSONResponse({"error": {"message": f"{param}: {reason}", "type": kind, "param": param, "code": status}},
-                        status_code=status)

@@ -211,3 +211,23 @@ def test_an_agent_task_without_the_http_server_stops_at_start_naming_the_field(t
     assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
     last = [line for line in done.stderr.strip().splitlines() if line.strip()][-1]
     assert "http.enabled" in last and "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
+def test_an_agents_sdk_agent_trains_through_inflight_run_and_its_spans_verify(tmp_path):
+    from tests.framework_agents import tool_agent_model
+
+    model = tool_agent_model(ROOT / "models" / "tiny-rl", tmp_path / "tool-agent-model")
+    config = tmp_path / "sdk-agent.toml"
+    config.write_text(f'[engine]\nmodel = "{model}"\n[task]\nagent = "tests.framework_agents:sdk_agent"\n'
+                      'entrypoint = "orchestrator.tasks.toy_agent:rows"\n[sampling]\nmax_tokens = 64\n'
+                      '[scheduler]\ngroup_size = 4\nbatch_groups = 2\n[run]\nmax_steps = 2\nprogress = "plain"\n')
+    run_dir = tmp_path / "run"
+    done = inflight("run", str(config), "--run-dir", str(run_dir))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    records = {r.rollout_id: r for r in rollouts(run_dir)}
+    consumed = [records[rid] for c in read_records(run_dir) if isinstance(c, ConsumptionRecord)
+                for rid in c.rollout_ids]
+    assert len(consumed) == 2 * 8 and all(r.status_name == "completed" for r in consumed)
+    assert all(np.isfinite(r.logprobs()[r.sampled_mask()]).all() for r in consumed)
+    verified = inflight("replay", str(run_dir), "--verify-spans")
+    assert verified.returncode == 0 and "verify spans: passed" in verified.stdout, verified.stdout[-2000:]

@@ -160,7 +160,8 @@ async def test_malformed_requests_are_400_naming_the_field(live, renderer):
     endpoint, url = live
     eid = endpoint.open_episode({}, Script(renderer, ["1"]), 8)
     c = client(url, eid)
-    for kwargs, name in [({"n": 2}, "n"), ({"stream": True}, "stream"), ({"max_tokens": 0}, "max_tokens"),
+    for kwargs, name in [({"n": 2}, "n"), ({"extra_body": {"stream": "yes"}}, "stream"),
+                         ({"max_tokens": 0}, "max_tokens"),
                          ({"top_logprobs": 3, "logprobs": True}, "top_logprobs"),
                          ({"tool_choice": "required", "tools": [{"type": "function"}]}, "tool_choice"),
                          ({"extra_body": {"frobnicate": 1}}, "frobnicate"),
