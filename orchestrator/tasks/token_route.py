@@ -25,8 +25,8 @@ import json
 import time
 
 from orchestrator.errors import ConfigError
-from orchestrator.tasks.agent_endpoint import (MODEL_NAME, SAMPLING_FIELDS, AgentEndpoint, Refused, _Conversation,
-                                               _finite)
+from orchestrator.tasks.agent_endpoint import MODEL_NAME, SAMPLING_FIELDS, AgentEndpoint, Refused, _Conversation
+from orchestrator.tasks.agent_messages import finite
 
 KIND = "tokens"
 # Body fields beside the prompt and the sampling parameters. Accepted and ignored: they change
@@ -161,7 +161,7 @@ class TokenRoute:
         ids = list(turn.token_ids)
         logprobs = None
         if "logprobs" in sp:  # JSON has no -inf: such a token's logprob is null (the episode keeps it)
-            logprobs = {"content": [{"token": f"token_id:{t}", "token_id": t, "logprob": _finite(lp)}
+            logprobs = {"content": [{"token": f"token_id:{t}", "token_id": t, "logprob": finite(lp)}
                                     for t, lp in zip(ids, turn.logprobs)]}
         request_id = body.get("request_id") if isinstance(body.get("request_id"), str) else \
             f"gen-{episode_id}-{conv.episode.turns}"
