@@ -68,6 +68,10 @@ class ExportResult(msgspec.Struct, frozen=True):
     # "model": the version's full weights; "adapter": a LoRA version's PEFT adapter directory;
     # "merged": a LoRA version merged into the base (a full model directory)
     form: str = "model"
+    # Whether an engine served these weights under this version (export_served); None: not
+    # known. `note` says plainly why not, or why it is not known ("" when served).
+    served: bool | None = None
+    note: str = ""
 
 
 class RunInfo(msgspec.Struct, frozen=True):
@@ -207,6 +211,7 @@ def export_model(run_dir: str | os.PathLike, version: int | str = LATEST, *,
     not exist, or be empty); a LoRA version as its adapter directory, or with `merge` merged into
     the base. Atomic: a temporary directory beside out_dir, renamed into place."""
     from orchestrator.commands.export_adapter import export_form, merged_model, read_version_adapter, write_adapter
+    from orchestrator.commands.export_served import served
 
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -214,6 +219,7 @@ def export_model(run_dir: str | os.PathLike, version: int | str = LATEST, *,
     run = read_run(run_dir)
     source = resolve_version(run, version)
     form = export_form(run, source, merge)
+    verdict = served(run.run_dir, source.version, source.kind, source.path)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
     try:
@@ -225,7 +231,8 @@ def export_model(run_dir: str | os.PathLike, version: int | str = LATEST, *,
             model = merged_model(run.base_dir, lora) if lora is not None else load_version(run.base_dir, source)
             _save(model, run.base_dir, tmp, run.template)
             del model
-        (tmp / CARD).write_text(model_card(run, source, tmp, out, form, lora.describe() if lora else None))
+        (tmp / CARD).write_text(model_card(run, source, tmp, out, form, lora.describe() if lora else None,
+                                           verdict=verdict))
         _make_durable(tmp)
         if out.exists() and any(out.iterdir()):  # filled while we wrote: never replaced
             raise ConfigError("OUT_DIR", f"{out} was filled while the export was written")
@@ -234,7 +241,8 @@ def export_model(run_dir: str | os.PathLike, version: int | str = LATEST, *,
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return ExportResult(path=out, version=source.version, source=source.kind, source_path=source.path, form=form)
+    return ExportResult(path=out, version=source.version, source=source.kind, source_path=source.path, form=form,
+                        served=verdict.served, note=verdict.note)
 
 
 def load_version(base_dir: Path, source: VersionSource):
@@ -385,10 +393,11 @@ def _source_words(run: RunInfo, source: VersionSource, form: str) -> str:
 
 
 def model_card(run: RunInfo, source: VersionSource, exported_dir: Path, shown_as: str | os.PathLike,
-               form: str = "model", lora: str | None = None) -> str:
+               form: str = "model", lora: str | None = None, verdict=None) -> str:
     """README.md: which run and version these weights are, where they were read, from which base.
     `exported_dir`: where the weights are now (hashed); `shown_as`: the path the card names;
-    `form`: ExportResult.form; `lora`: the adapter's rank and alpha, for a LoRA version."""
+    `form`: ExportResult.form; `lora`: the adapter's rank and alpha, for a LoRA version;
+    `verdict`: export_served.Served, whether engines served these weights."""
     from orchestrator.run.recording import weights_digest
 
     identity = run.identity or {}
@@ -409,6 +418,8 @@ def model_card(run: RunInfo, source: VersionSource, exported_dir: Path, shown_as
         ("this directory's weights", f"sha256 `{weights_digest(exported_dir)[:16]}` (as `inflight run` would "
                                      "record it)"),
     ]
+    if verdict is not None:
+        rows.append(("served by engines", {True: "yes", False: "NO: ", None: "not known: "}[verdict.served] + verdict.note))
     if lora is not None:
         rows.insert(4, ("LoRA adapter", lora + (", merged into the base" if form == "merged" else "")))
     for key, label in (("tokenizer_hash", "tokenizer hash"), ("chat_template_hash", "chat template hash"),

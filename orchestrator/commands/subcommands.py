@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def register(sub, bench_sub) -> None:
@@ -100,4 +101,6 @@ def cmd_export_model(args: argparse.Namespace) -> int:
     result = export_model(args.run_dir, args.version, out_dir=args.out_dir, merge=args.merge)
     form = "" if result.form == "model" else f", {result.form}"
     print(f"{result.path}\tversion {result.version} ({result.source}{form}: {result.source_path})")
+    if result.note:  # weights no engine served under this version, or not known: said plainly
+        print(f"inflight: warning: {result.note}", file=sys.stderr)
     return 0

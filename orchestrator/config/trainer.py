@@ -119,6 +119,10 @@ class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # every step journaled meanwhile (docs/trainer.md, "Checkpoints"). None: on for one trainer
     # process, off under torchrun (its ranks gather the state together).
     checkpoint_background: bool | None = None
+    # Background checkpoints skipped in a row (the writer still busy) before the next due one
+    # waits for the writer and is written: bounds the steps a resume trains again (k + 2
+    # checkpoint intervals at most) and so its time.
+    checkpoint_max_skips: int = 2
 
     @property
     def torchrun(self) -> bool:
@@ -157,6 +161,8 @@ class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ConfigError("trainer.checkpoint_background", "needs one trainer process (world_size = 1, no "
                                                                "torchrun_args): under torchrun the ranks gather "
                                                                "each checkpoint together")
+        if self.checkpoint_max_skips < 0:
+            raise ConfigError("trainer.checkpoint_max_skips", f"must be >= 0, got {self.checkpoint_max_skips}")
         if self.grad_clip < 0 or self.weight_decay < 0:
             raise ConfigError("trainer.grad_clip" if self.grad_clip < 0 else "trainer.weight_decay", "must be >= 0")
         if self.world_size < 1:

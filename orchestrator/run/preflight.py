@@ -73,16 +73,18 @@ def check_model_paths(config: RunConfig) -> None:
 
 def finished_steps(run_dir: Path, config: RunConfig, max_steps: int) -> int | None:
     """The steps a run has done when it has reached `max_steps` (nothing left to do); None when
-    steps remain, or when its log lacks a step its checkpoints hold (the orchestrator died
-    right after the trainer's last step: a resume records that step first)."""
+    steps remain, or when its log lacks a step its checkpoints or its step journal hold (the
+    orchestrator died right after the trainer's last step: a resume records that step first;
+    a journaled step is one the trainer finished as much as a checkpointed one)."""
     from orchestrator.trainer.checkpoint import complete_steps
+    from orchestrator.trainer.step_journal import journaled_steps
 
-    checkpointed = max(complete_steps(run_dir), default=0)
-    every_step_checkpointed = config.trainer.checkpoint and config.trainer.publish_every == 1
-    if every_step_checkpointed and checkpointed < max_steps:
+    durable = max([*complete_steps(run_dir), *journaled_steps(run_dir)], default=0)
+    every_step_durable = config.trainer.checkpoint and config.trainer.publish_every == 1
+    if every_step_durable and durable < max_steps:
         return None
     consumed = consumed_steps(run_dir)
-    if consumed < max_steps or consumed < checkpointed:
+    if consumed < max_steps or consumed < durable:
         return None
     return consumed
 

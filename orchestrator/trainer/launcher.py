@@ -24,7 +24,7 @@ import msgspec
 from orchestrator.errors import InflightError
 from orchestrator.observe.logging import get_logger
 from orchestrator.reaper import die_with_parent
-from orchestrator.trainer.link import Ready, Stop, TrainerLink
+from orchestrator.trainer.link import Ready, Replaying, Stop, TrainerLink
 
 log = get_logger(__name__)
 
@@ -76,7 +76,7 @@ class TrainerProcess:
                                         start_new_session=self.group,
                                         preexec_fn=die_with_parent(ignore_sigint=True))
         log_file.close()
-        message = await self._first_message(self.config.trainer.start_timeout_s)
+        message = await self._ready_message()
         if not isinstance(message, Ready):
             raise TrainerError(f"the trainer's first message was {type(message).__name__}: "
                                f"{getattr(message, 'error', message)}; see {self.run_dir / 'trainer.log'}")
@@ -85,15 +85,27 @@ class TrainerProcess:
                  resumed=message.resumed)
         return message
 
-    async def _first_message(self, timeout: float):
-        """The trainer's first message, within `timeout`; a trainer that exits first fails at
+    async def _ready_message(self):
+        """The trainer's Ready (or Failed). Its start-up is bounded by trainer.start_timeout_s;
+        a resume's journaled steps, which it trains again after that (`Replaying` before each),
+        by trainer.step_timeout_s each: a replay is steps, not start-up."""
+        tc = self.config.trainer
+        message = await self._next_message(tc.start_timeout_s, "report ready")
+        while isinstance(message, Replaying):
+            log.info("trainer.replaying", step=message.step, index=message.index, total=message.total)
+            what = f"train journaled step {message.step} again ({message.index} of {message.total})"
+            message = await self._next_message(tc.step_timeout_s, what)
+        return message
+
+    async def _next_message(self, timeout: float, what: str):
+        """The trainer's next message, within `timeout`; a trainer that exits first fails at
         once (under torchrun a rank that fails takes rank 0 down with SIGTERM, before it can say
-        Failed), not after the whole start-up timeout."""
+        Failed), not after the whole timeout."""
         deadline = anyio.current_time() + timeout
         while True:
             left = deadline - anyio.current_time()
             if left <= 0:
-                raise TrainerError(f"the trainer did not report ready within {timeout}s; see "
+                raise TrainerError(f"the trainer did not {what} within {timeout}s; see "
                                    f"{self.run_dir / 'trainer.log'}")
             try:
                 return await self.link.recv(min(1.0, left))

@@ -5,7 +5,8 @@ with `--connect ADDR`; only the trainer's rank 0 connects. Every message is one 
 a tagged Struct (tag field "type"), decoded through one Decoder of the union of all of them.
 
     orchestrator -> trainer   Batch(step, samples) | Stop()
-    trainer -> orchestrator   Ready(...) once, then per Batch: StepDone(...) or Failed(...)
+    trainer -> orchestrator   Replaying(...) before each journaled step a resume trains again,
+                              Ready(...) once, then per Batch: StepDone(...) or Failed(...)
 
 Bind a new `TrainerLink` for every trainer process you start: a PAIR socket talks to one peer,
 and a fresh socket guarantees nothing queued for a dead trainer is delivered to its successor.
@@ -52,6 +53,15 @@ class Ready(msgspec.Struct, tag="ready", tag_field="type"):
     resumed: bool  # true when the state came from a checkpoint
 
 
+class Replaying(msgspec.Struct, tag="replaying", tag_field="type"):
+    """A resumed trainer is about to train journaled step `step` again, the `index`-th of
+    `total` (step_journal): its progress, and what restarts the orchestrator's bound on it."""
+
+    step: int
+    index: int
+    total: int
+
+
 class StepDone(msgspec.Struct, tag="step_done", tag_field="type"):
     step: int
     version: int | None  # the version published after this step; None when publish_every skipped it
@@ -72,7 +82,7 @@ class Failed(msgspec.Struct, tag="failed", tag_field="type"):
     error: str
 
 
-Message = Batch | Stop | Ready | StepDone | Failed
+Message = Batch | Stop | Ready | Replaying | StepDone | Failed
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

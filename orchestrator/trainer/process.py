@@ -38,7 +38,7 @@ import torch
 
 from orchestrator.config.run import RunConfig
 from orchestrator.observe.logging import configure_logging, get_logger
-from orchestrator.trainer import checkpoint, checkpoint_background, lora, step_journal
+from orchestrator.trainer import checkpoint, checkpoint_background, lora, restore, step_journal
 from orchestrator.trainer.checkpoint_background import BackgroundWriter
 from orchestrator.trainer.link import (
     Batch,
@@ -115,10 +115,13 @@ class Trainer:
         self.resumed = False
         self.publisher: Publisher | AdapterPublisher | None = None
         self.writer = BackgroundWriter(run_dir, self.tc.keep_checkpoints) if self.tc.background_checkpoints else None
+        self.skipped = 0  # due background checkpoints skipped in a row (the writer was busy)
 
-    def start(self, resume: bool) -> None:
-        """Restore the newest checkpoint (with --resume), repair its version, open the publisher.
-        Under torchrun rank 0 (which owns the run directory) decides, and every rank follows."""
+    def start(self, resume: bool, progress=None) -> None:
+        """Restore the newest checkpoint (with --resume), train the journaled steps after it again
+        (`restore`; `progress` gets a `Replaying` before each), repair its version, open the
+        publisher. Under torchrun rank 0 (which owns the run directory) decides, and every rank
+        follows."""
         decision: dict = {}
         if self.ranks.rank == 0:
             try:
@@ -147,7 +150,7 @@ class Trainer:
         if self.ranks.sharded:
             self._check_same_run()
         if replay:
-            self._replay(replay)
+            restore.replay(self, replay, progress)
         if self.ranks.rank == 0:
             newer = [v for v in self.publisher.published() if v > self.step]
             if newer:
@@ -162,8 +165,14 @@ class Trainer:
         if "error" in decision:
             raise RuntimeError(decision["error"])
         if decision["republish"]:
+            if self.ranks.rank == 0:
+                restore.check_republish(self, self.step)
             seconds = self.publisher.publish(self.step)
             log.info("trainer.republished", version=self.step, seconds=round(seconds, 4))
+        if self.step and self.ranks.rank == 0 and self.publisher.is_complete(self.step):
+            # The weights now held are the published ones (restore): the ledger names them, if
+            # the crash came before it did.
+            restore.record_published(self, self.step)
 
     def _check_same_run(self) -> None:
         """Every rank holds the same configuration and the same refit plan (the model's names,
@@ -183,26 +192,6 @@ class Trainer:
             raise RuntimeError(f"ranks {other} were started with another --config-json or --model than rank 0 (the "
                                "configuration or the refit plan differs): start every host with RUN_DIR/config.json "
                                "and the same base model")
-
-    def _replay(self, steps: list[int]) -> None:
-        """Train the journaled steps after the checkpoint again, on their own batches (see
-        step_journal): the state the trainer had after the last of them. Each must consume
-        what it did the first time; the weights of the last are compared with its published
-        version when that is retained."""
-        started = time.perf_counter()
-        for step in steps:
-            entry = step_journal.read(self.run_dir, step)
-            result = self._train(entry.batch)
-            if result.rollout_ids != entry.meta.consumption.rollout_ids:
-                raise checkpoint.CheckpointError(f"journal entry {step_journal.step_path(self.run_dir, step)}: trained "
-                                                 "again, the step consumed other rollouts than it recorded")
-            self.step, self.resumed = step, True
-        assert self.publisher is not None
-        compared = self.publisher.compare(self.step) if self.publisher.is_complete(self.step) else None
-        log.info("trainer.replayed", steps=steps, seconds=round(time.perf_counter() - started, 3),
-                 compared_version=self.step if compared else None,
-                 compared_tensors=compared[0] if compared else 0,
-                 max_abs_diff=compared[1] if compared else None)
 
     def _resume_step(self, resume: bool) -> int:
         steps = checkpoint.complete_steps(self.run_dir)
@@ -277,9 +266,13 @@ class Trainer:
             metrics.update(self.writer.collect())  # the last write's figures; a failed one raises here
             step_journal.write(self.run_dir, batch, meta, published=publish)
             metrics["journal_s"] = time.perf_counter() - t0
-            if due and self.writer.busy:  # the journal covers it; the trainer does not wait for the disk
+            if due and self.writer.busy and self.skipped < self.tc.checkpoint_max_skips:
+                self.skipped += 1  # the journal covers it; the trainer does not wait for the disk
                 metrics["checkpoint_skipped"] = 1.0
             elif due:
+                if self.writer.busy:  # skipped enough in a row: this one is written (bounds the replay)
+                    metrics.update(self._wait_for_writer())
+                self.skipped = 0
                 t1 = time.perf_counter()
                 self.writer.submit(checkpoint_background.take(self.model, self.optimizer, meta))
                 metrics["checkpoint_s"] = time.perf_counter() - t1  # the snapshot: the step's share
@@ -289,6 +282,17 @@ class Trainer:
         elif self.tc.journaled:
             step_journal.write(self.run_dir, batch, meta, published=publish)
             metrics["journal_s"] = time.perf_counter() - t0
+
+    def _wait_for_writer(self) -> dict[str, float]:
+        """The write under way, finished (bounded by trainer.step_timeout_s), before this step's
+        checkpoint is handed to the writer and its version published."""
+        t0 = time.perf_counter()
+        figures = self.writer.collect(timeout_s=self.tc.step_timeout_s)
+        if self.writer.busy:
+            raise checkpoint.CheckpointError(f"the background checkpoint under way did not finish within "
+                                             f"{self.tc.step_timeout_s} s (trainer.step_timeout_s), after "
+                                             f"{self.skipped} skipped checkpoints (trainer.checkpoint_max_skips)")
+        return {**figures, "checkpoint_wait_s": time.perf_counter() - t0}
 
     def _checkpoint(self, meta: checkpoint.CheckpointMeta) -> None:
         if self.ranks.sharded:
@@ -319,6 +323,10 @@ class Trainer:
     def _publish(self, metrics: dict[str, float]) -> int:
         assert self.publisher is not None
         metrics["publish_s"] = self.publisher.publish(self.step)
+        if self.ranks.rank == 0:
+            t0 = time.perf_counter()
+            restore.record_published(self, self.step)
+            metrics["ledger_s"] = time.perf_counter() - t0
         if self.ranks.sharded and self.tc.lora is None:  # an adapter's publish is not measured (megabytes)
             metrics.update(self._publish_memory())
         return self.step
@@ -464,7 +472,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             init_group(ranks, config.trainer)
             grouped = True
         trainer = Trainer(args.run_dir, args.model, config, ranks)
-        trainer.start(args.resume)
+        trainer.start(args.resume, progress=client.send if client is not None else None)
         log.info("trainer.ready", step=trainer.step, resumed=trainer.resumed, cpus=sorted(cpus),
                  threads=threads, loss=config.trainer.loss, pid=os.getpid(), world=ranks.world)
         if client is None:

@@ -158,6 +158,15 @@ class Publisher:
 
         return compare_with_files(self.model.state_dict(), sorted(version_dir(self.root, version).glob("*.safetensors")))
 
+    def load(self, version: int) -> None:
+        """Set the model's weights to published `version`'s, bit for bit (one process): after a
+        replayed step whose weights came out otherwise, the trainer continues from the ones the
+        engines served under that number (`restore`)."""
+        from transports.filesystem import version_dir
+
+        load_files_into(self.model.state_dict(), sorted(version_dir(self.root, version).glob("*.safetensors")),
+                        f"published version {version}")
+
     def publish(self, version: int) -> float:
         """Write `version` (the weights now in the model); returns the seconds it took. Under
         torchrun every rank calls it (the gather is collective); `self.memory` then holds this
@@ -220,6 +229,26 @@ def compare_with_files(own: dict, files) -> tuple[int, float]:
                     worst = max(worst, float((mine.double() - theirs.double()).abs().max()) if mine.numel() else 0.0)
                     compared += 1
     return compared, worst
+
+
+def load_files_into(own: dict, files, what: str) -> None:
+    """Copy the safetensors `files`' tensors into `own` (a state dict sharing the parameters'
+    storage) by name, in each tensor's own dtype; every tensor of `own` must be among them
+    (RuntimeError naming the first that is not)."""
+    import torch
+    from safetensors import safe_open
+
+    written: set[str] = set()
+    with torch.no_grad():
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    if name in own:
+                        own[name].copy_(f.get_tensor(name).to(own[name].dtype))
+                        written.add(name)
+    missing = sorted(set(own) - written)
+    if missing:
+        raise RuntimeError(f"{what} lacks {len(missing)} of the model's tensors (first: {missing[0]})")
 
 
 def _numel(shape) -> int:

@@ -52,6 +52,15 @@ class AdapterPublisher:
         """The adapter's tensors against published `version`'s: (tensors compared, max |diff|)."""
         return compare_with_files(lora.adapter_state(self.model), sorted(adapter_dir(self.root, version).glob("*.safetensors")))
 
+    def load(self, version: int) -> None:
+        """Set the adapter to published `version`'s, bit for bit (see `Publisher.load`)."""
+        from safetensors.torch import load_file
+
+        state: dict[str, torch.Tensor] = {}
+        for file in sorted(adapter_dir(self.root, version).glob("*.safetensors")):
+            state.update(load_file(str(file)))
+        lora.load_adapter_state(self.model, state)  # cast to the adapter's own dtype
+
     def publish(self, version: int) -> float:
         """Write `version` (the adapter now in the model); returns the seconds it took. Under
         torchrun every rank calls it (the gather is collective); rank 0 writes."""

@@ -36,13 +36,18 @@ def crash_resume_run(tmp_path_factory, rl_model) -> CrashResumeRun:
     trainer twice; the steps themselves are cheap.
 
     1. The run, SIGKILLed as a process group (orchestrator, trainer and engine processes at once)
-       once it consumed 6 steps.
-    2. --resume, with the trainer set to die right after it journaled (and published) the
+       once it consumed 6 steps and its trainer's journal holds an odd step (one the resume
+       trains again: its checkpoint falls at the next even step).
+    2. --resume, its replayed weights forced to differ from the published ones (the test hook
+       INFLIGHT_FAULT_REPLAY_PERTURB: the trainer must continue from the published weights,
+       orchestrator/trainer/restore.py), with the trainer set to die right after it journaled (and published) the
        third or fourth step after the last one the first run consumed (the odd one: with
        trainer.checkpoint_every = 2 a journal entry, not a checkpoint), before its StepDone
        reaches the orchestrator: the run fails (exit 2).
     3. --resume to the step count."""
     from orchestrator.trainer.process import CRASH_AFTER_CHECKPOINT
+    from orchestrator.trainer.restore import PERTURB_REPLAY
+    from orchestrator.trainer.step_journal import journaled_steps
     from replay.log import read_records
     from replay.records import ConsumptionRecord
     from tests.integration.test_run import digest, finish, kill_group, wait_for
@@ -66,7 +71,8 @@ def crash_resume_run(tmp_path_factory, rl_model) -> CrashResumeRun:
     log = root / "out.log"
     proc = run_in(root, [str(config), "--run-dir", str(run_dir), "--max-steps", str(max_steps)], log)
     try:
-        wait_for(lambda: steps_done() >= 6, 900, proc, log, "six steps")
+        wait_for(lambda: steps_done() >= 6 and any(s % 2 for s in journaled_steps(run_dir)), 900, proc, log,
+                 "six steps and an odd journaled step")
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(30)
     finally:
@@ -78,10 +84,11 @@ def crash_resume_run(tmp_path_factory, rl_model) -> CrashResumeRun:
     assert crash_step <= max_steps - 2, f"the first run went on to step {crash_step - 3} after its SIGKILL"
     log = root / "crash.log"
     os.environ[CRASH_AFTER_CHECKPOINT] = str(crash_step)
+    os.environ[PERTURB_REPLAY] = "0.001"
     try:
         proc = run_in(root, ["--run-dir", str(run_dir), "--resume", "--max-steps", str(max_steps)], log)
     finally:
-        del os.environ[CRASH_AFTER_CHECKPOINT]
+        del os.environ[CRASH_AFTER_CHECKPOINT], os.environ[PERTURB_REPLAY]
     try:
         crash_code = proc.wait(900)
     finally:

@@ -3,7 +3,9 @@ every step journaled, each due checkpoint a snapshot written by a writer thread 
 step trains. What must hold: training is bit for bit what synchronous checkpoints give, and so
 is the checkpoint; a stop leaves a checkpoint of the newest step; a crash while the writer is
 behind (a write hanging, later checkpoints skipped) resumes to the very same state by training
-the journal again; a torn write is ignored; a failed write fails the next step by name."""
+the journal again; after `checkpoint_max_skips` skips the next checkpoint waits for the writer
+(bounded by step_timeout_s) and is written; a torn write is ignored; a failed write fails the
+next step by name."""
 
 from __future__ import annotations
 
@@ -101,7 +103,7 @@ def test_a_crash_while_the_writer_is_behind_resumes_to_the_very_same_state(
         synchronous, tiny_model_dir, batches, tmp_path, monkeypatch):  # noqa: F811
     hanging = _HangingWrites(monkeypatch, free_upto=1)
     torch.manual_seed(0)
-    trainer = _trainer(tmp_path / "run", tiny_model_dir, _config())
+    trainer = _trainer(tmp_path / "run", tiny_model_dir, _config(checkpoint_max_skips=3))
     try:
         done = _steps(trainer, [1], batches)
         trainer.writer.collect(timeout_s=None)  # step 1's checkpoint is in place
@@ -125,6 +127,52 @@ def test_a_crash_while_the_writer_is_behind_resumes_to_the_very_same_state(
         assert resumed.publisher.compare(STEPS) == (len(synchronous[1][0]), 0.0)
     finally:
         resumed.close()
+
+
+def test_after_k_skipped_checkpoints_the_next_waits_for_the_writer_and_is_written(
+        tiny_model_dir, batches, tmp_path, monkeypatch):  # noqa: F811
+    """trainer.checkpoint_max_skips = 2: with 2's write hanging, 3 and 4 are skipped and 5 waits
+    for it (released once it waits), then is written: the journal a resume would
+    train again never grows past the bound."""
+    hanging = _HangingWrites(monkeypatch, free_upto=1)
+    trainer = _trainer(tmp_path / "run", tiny_model_dir, _config(checkpoint_max_skips=2))
+    try:
+        done = _steps(trainer, range(1, 5), batches)
+        assert [s for s, d in done.items() if "checkpoint_skipped" in d.metrics] == [3, 4]
+        real_wait, waited = trainer._wait_for_writer, []
+
+        def wait():  # the write is released once the trainer waits for it (no timing involved)
+            waited.append(trainer.writer.busy)
+            hanging.release.set()
+            return real_wait()
+
+        monkeypatch.setattr(trainer, "_wait_for_writer", wait)
+        done |= _steps(trainer, [5], batches)
+        assert waited == [True]
+        assert "checkpoint_wait_s" in done[5].metrics and "checkpoint_s" in done[5].metrics
+        assert done[5].metrics["checkpoint_written_step"] == 2.0  # the write it waited for
+        trainer.writer.collect(timeout_s=None)
+    finally:
+        hanging.release.set()
+        trainer.close()
+    assert checkpoint.complete_steps(tmp_path / "run")[-1] == 5
+    assert step_journal.journaled_steps(tmp_path / "run") == []
+
+
+def test_a_write_that_outlasts_the_step_timeout_after_k_skips_fails_the_step_by_name(
+        tiny_model_dir, batches, tmp_path, monkeypatch):  # noqa: F811
+    hanging = _HangingWrites(monkeypatch, free_upto=1)
+    trainer = _trainer(tmp_path / "run", tiny_model_dir, _config(checkpoint_max_skips=0, step_timeout_s=0.2))
+    try:
+        _steps(trainer, [1], batches)
+        trainer.writer.collect(timeout_s=None)
+        _steps(trainer, [2], batches)  # its write hangs
+        with pytest.raises(checkpoint.CheckpointError, match="trainer.checkpoint_max_skips"):
+            _steps(trainer, [3], batches)
+    finally:
+        hanging.release.set()
+        trainer.close()
+    assert step_journal.journaled_steps(tmp_path / "run")[-1] == 3  # step 3 stays durable in its entry
 
 
 def test_a_failed_background_write_fails_the_next_step_naming_the_checkpoint(

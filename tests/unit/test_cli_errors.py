@@ -227,6 +227,21 @@ def test_a_finished_check_never_trusts_a_checkpoint_the_log_does_not_record(tmp_
     assert finished_steps(run_dir, config, 3) is None
 
 
+def test_a_finished_check_never_trusts_a_log_behind_the_step_journal(tmp_path):
+    """A journaled step is one the trainer finished (checkpoint_every > 1, background
+    checkpoints): a log that does not record it yet is not a finished run."""
+    from orchestrator.run.preflight import finished_steps
+
+    config = RunConfig().validate()
+    run_dir = stored_run(tmp_path / "run", config, 2)
+    assert finished_steps(run_dir, config, 2) == 2
+    journal = run_dir / "trainer" / "journal"
+    journal.mkdir(parents=True)
+    (journal / "step-00000003.msgpack").write_bytes(b"")
+    # max steps 2 reached by the log, but the trainer went on to step 3: a resume records it
+    assert finished_steps(run_dir, config, 2) is None
+
+
 # -- activations that keep failing -------------------------------------------------------------
 def failing_stage_run(tmp_path, max_failures: int):
     """The bench's fake engine and instant trainer, with every staging refused."""
