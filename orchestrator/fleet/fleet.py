@@ -30,6 +30,7 @@ import anyio
 from orchestrator.activation import coordinator as act
 from orchestrator.engines.base import Engine
 from orchestrator.errors import EngineDeadError, EngineError, EngineTimeoutError
+from orchestrator.fleet.action_run import ActionRun
 from orchestrator.fleet.adapters import AdapterStaging, AdapterStore
 from orchestrator.fleet.membership import FleetMembership
 from orchestrator.fleet.rollouts import (  # noqa: F401 - re-exported: the fleet's request half
@@ -179,22 +180,21 @@ class Fleet(AdapterStaging, RolloutStreams, FleetMembership):
         self._activations_begun += 1
         coord = self.coordinator
         self._stage_source = dict(source or {})
-        # Room for every engine's answer: a fixed 1000 made each answer past it wait for the loop
-        # (a fleet of over a thousand engines). Bounded anyway: a few events per engine and phase.
-        send, recv = anyio.create_memory_object_stream[act.Event](max(1000, 8 * len(self.engines)))
         record: act.Record | None = None
+        left: list[act.EngineAction] = []
         try:
-            self._events = send
             async with anyio.create_task_group() as tg:
-                record = self._dispatch(tg, coord.begin(version, time.monotonic(), rollback=rollback), send)
-                while record is None:
-                    event = await recv.receive()
-                    record = self._dispatch(tg, coord.handle(event), send)
+                run = self._action_run(tg, lambda actions: any(isinstance(a, act.Record) for a in actions))
+                self._events = run  # engine deaths and departures join it
+                run.dispatch(coord.begin(version, time.monotonic(), rollback=rollback))
+                await run.wait()
+                record, left = run.record, run.close()
                 tg.cancel_scope.cancel()  # stragglers (a hung stage) and timers; drops are shielded
         finally:
             self._events = None
             if record is None:  # cancelled (or a bug) mid-activation: end it with what is known
                 record = await self._abandon()
+            await self._perform_leftovers(left)
             self._release_reports()
             self._settle_salts()
             await self._resume_leftovers()
@@ -206,6 +206,24 @@ class Fleet(AdapterStaging, RolloutStreams, FleetMembership):
                 self.records.append(record)
         assert record is not None
         return record
+
+    def _action_run(self, tg, finished) -> ActionRun:
+        return ActionRun(tg, self._perform, self.coordinator.handle, finished, on_queued=self._note_queued)
+
+    def _note_queued(self, a: act.EngineAction) -> None:
+        if isinstance(a, act.Pause):  # on its way from now: a Resume of the engine waits for it
+            self._pauses_due[a.engine] = self._pauses_due.get(a.engine, 0) + 1
+
+    async def _perform_leftovers(self, left: list[act.EngineAction]) -> None:
+        """The actions an ended run queued and no worker took (they came with its last answer):
+        fences and unfences take effect, staged copies are dropped (shielded); a Pause never
+        sent is no longer on its way; resumes are `_resume_leftovers`'."""
+        for a in left:
+            if isinstance(a, act.Pause):
+                self._pauses_due[a.engine] = max(0, self._pauses_due.get(a.engine, 0) - 1)
+            elif isinstance(a, (act.Fence, act.Unfence)):
+                await self._perform(a)
+        await self._drop_all([a for a in left if isinstance(a, act.DropStaged)])
 
     async def _abandon(self) -> act.Record | None:
         """The coordinator's `abandon`, performed without waiting on anything unshielded:
@@ -246,34 +264,6 @@ class Fleet(AdapterStaging, RolloutStreams, FleetMembership):
             await self._drop_staged(a)
         except Exception as exc:  # noqa: BLE001 - a dead engine has nothing staged to keep
             log.warning("fleet.drop_failed", engine=a.engine, version=a.version, error=str(exc))
-
-    def _dispatch(self, tg, actions: list[act.Action], send) -> act.Record | None:
-        """Starts the actions (one task per engine, its actions in order); returns the Record
-        when the actions hold one."""
-        record: act.Record | None = None
-        by_engine: dict[str, list[act.Action]] = {}
-        for a in actions:
-            if isinstance(a, act.Record):
-                record = a
-            elif isinstance(a, act.StartTimer):
-                tg.start_soon(self._timer, a, send)
-            else:
-                if isinstance(a, act.Pause):
-                    self._pauses_due[a.engine] = self._pauses_due.get(a.engine, 0) + 1
-                by_engine.setdefault(a.engine, []).append(a)
-        for engine, queue in by_engine.items():
-            tg.start_soon(self._perform_all, engine, queue, send)
-        return record
-
-    async def _timer(self, timer: act.StartTimer, send) -> None:
-        await anyio.sleep(timer.seconds)
-        await send.send(act.Timeout(engine=timer.engine, at=time.monotonic(), phase=timer.phase, token=timer.token))
-
-    async def _perform_all(self, engine_id: str, actions: list[act.Action], send) -> None:
-        for a in actions:
-            event = await self._perform(a)
-            if event is not None:
-                await send.send(event)
 
     async def _perform(self, a: act.Action) -> act.Event | None:
         e = a.engine
@@ -340,12 +330,13 @@ class Fleet(AdapterStaging, RolloutStreams, FleetMembership):
                     self._release_reports(e, reported=True)
                 return act.VersionSet(engine=e, at=now(), version=a.version, requests=requests)
             if isinstance(a, act.Resume):
-                # Each batch of actions runs as its own task: a Resume owed to an engine that left
+                # Each batch of actions runs as its own job, concurrently: a Resume owed to an engine that left
                 # while its Pause was on the way must not overtake that Pause (the engine would
                 # then be paused after it, and stay so). Bounded: a Pause that never ran is not waited for.
-                with anyio.move_on_after(self.ft.rpc_s):
-                    while self._pauses_due.get(e, 0):
-                        await anyio.sleep(self.ft.poll_s)
+                if self._pauses_due.get(e):
+                    with anyio.move_on_after(self.ft.rpc_s):
+                        while self._pauses_due.get(e, 0):
+                            await anyio.sleep(self.ft.poll_s)
                 await self._resume(engine)
                 return act.Resumed(engine=e, at=now())
             if isinstance(a, act.Fence):
@@ -433,9 +424,8 @@ class Fleet(AdapterStaging, RolloutStreams, FleetMembership):
 
     async def _resume(self, engine: Engine) -> None:
         """Shielded, with its own limit: a cancelled activation still resumes the engine."""
-        with anyio.CancelScope(shield=True):
-            with anyio.fail_after(self.ft.resume_limit_s):
-                await engine.resume()
+        with anyio.fail_after(self.ft.resume_limit_s, shield=True):
+            await engine.resume()
         self._paused.discard(engine.engine_id)
         await self._flush_deferred_aborts(engine.engine_id)
 
