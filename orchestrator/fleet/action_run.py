@@ -38,11 +38,12 @@ JOBS_PER_TURN = 32
 class ActionRun:
     def __init__(self, tg: TaskGroup, perform: Callable[[act.Action], Awaitable[act.Event | None]],
                  handle: Callable[[act.Event], list[act.Action]],
-                 finished: Callable[[list[act.Action]], bool] = lambda actions: False,
+                 finished: Callable[[list[act.Action]], bool] | None = None,
                  on_queued: Callable[[act.EngineAction], None] | None = None) -> None:
         """`perform` does one action and returns the engine's answer (or None); `handle` is the
-        coordinator's; `finished` says from a batch of actions that the run is done (a Record);
-        `on_queued` sees every engine action as it is queued (before any worker takes it)."""
+        coordinator's; `finished` says from a batch of actions that the run is done (by default:
+        the batch holds the Record); `on_queued` sees every engine action as it is queued
+        (before any worker takes it)."""
         self._tg = tg
         self._perform = perform
         self._handle = handle
@@ -52,6 +53,7 @@ class ActionRun:
         self._workers = 0
         self._inside = 0  # workers inside a job (waiting on an engine, when the spawner looks)
         self._wanted = anyio.Event()  # set: jobs are queued, and the workers may all be waiting
+        self._wanted_set = False  # the same, cheaper to ask
         self._finished = anyio.Event()
         self._closed = False
         self.record: act.Record | None = None
@@ -64,9 +66,10 @@ class ActionRun:
             return
         by_engine: dict[str, list[act.EngineAction]] = {}
         for a in actions:
-            if isinstance(a, act.Record):
+            kind = type(a)  # cheaper than isinstance, on every action of hundreds of engines
+            if kind is act.Record:
                 self.record = a
-            elif isinstance(a, act.StartTimer):
+            elif kind is act.StartTimer:
                 self._tg.start_soon(self._timer, a)
             else:
                 if self._on_queued is not None:
@@ -81,7 +84,11 @@ class ActionRun:
                 self._spawn(1)
             else:
                 self._want_workers()
-        if self._finished_by(actions):
+        if self._finished_by is None:
+            done = self.record is not None
+        else:
+            done = self._finished_by(actions)
+        if done:
             self._finished.set()
 
     def feed(self, event: act.Event) -> None:
@@ -107,7 +114,8 @@ class ActionRun:
 
     # -- the pool --------------------------------------------------------------------------
     def _want_workers(self) -> None:
-        if not self._wanted.is_set():
+        if not self._wanted_set:
+            self._wanted_set = True
             self._wanted.set()
 
     def _spawn(self, n: int) -> None:
@@ -121,7 +129,7 @@ class ActionRun:
         own. It doubles the pool each time: a fleet of slow engines fans out in log2(N) turns."""
         while True:
             await self._wanted.wait()
-            self._wanted = anyio.Event()
+            self._wanted, self._wanted_set = anyio.Event(), False
             if self._jobs and self._inside == self._workers and not self._closed:
                 self._spawn(min(len(self._jobs), max(1, self._workers)))
 
