@@ -29,7 +29,8 @@ import anyio
 
 from orchestrator.activation import coordinator as act
 from orchestrator.engines.base import Engine
-from orchestrator.errors import EngineDeadError, EngineError, EngineTimeoutError
+from orchestrator.fleet.action_run import ActionRun
+from orchestrator.fleet.actions import FleetActions
 from orchestrator.fleet.adapters import AdapterStaging, AdapterStore
 from orchestrator.fleet.membership import FleetMembership
 from orchestrator.fleet.rollouts import (  # noqa: F401 - re-exported: the fleet's request half
@@ -44,7 +45,6 @@ from orchestrator.fleet.rollouts import (  # noqa: F401 - re-exported: the fleet
 from orchestrator.observe.logging import get_logger
 
 log = get_logger(__name__)
-SHUTTING_DOWN = "server shutting down"  # what a vLLM server told to stop answers every control call
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ class FleetTimeouts:
     poll_s: float = 0.02
 
 
-class Fleet(AdapterStaging, RolloutStreams, FleetMembership):
+class Fleet(FleetActions, AdapterStaging, RolloutStreams, FleetMembership):
     def __init__(self, engines: Sequence[Engine], *, strategy: act.Strategy = "pause_swap",
                  kv_policy: act.KvPolicy = "recompute", timeouts: act.PhaseTimeouts | None = None,
                  fleet_timeouts: FleetTimeouts | None = None, live_version: int = 0,
@@ -179,22 +179,21 @@ class Fleet(AdapterStaging, RolloutStreams, FleetMembership):
         self._activations_begun += 1
         coord = self.coordinator
         self._stage_source = dict(source or {})
-        # Room for every engine's answer: a fixed 1000 made each answer past it wait for the loop
-        # (a fleet of over a thousand engines). Bounded anyway: a few events per engine and phase.
-        send, recv = anyio.create_memory_object_stream[act.Event](max(1000, 8 * len(self.engines)))
         record: act.Record | None = None
+        left: list[act.EngineAction] = []
         try:
-            self._events = send
             async with anyio.create_task_group() as tg:
-                record = self._dispatch(tg, coord.begin(version, time.monotonic(), rollback=rollback), send)
-                while record is None:
-                    event = await recv.receive()
-                    record = self._dispatch(tg, coord.handle(event), send)
+                run = self._action_run(tg)  # done with the Record
+                self._events = run  # engine deaths and departures join it
+                run.dispatch(coord.begin(version, time.monotonic(), rollback=rollback))
+                await run.wait()
+                record, left = run.record, run.close()
                 tg.cancel_scope.cancel()  # stragglers (a hung stage) and timers; drops are shielded
         finally:
             self._events = None
             if record is None:  # cancelled (or a bug) mid-activation: end it with what is known
                 record = await self._abandon()
+            await self._perform_leftovers(left)
             self._release_reports()
             self._settle_salts()
             await self._resume_leftovers()
@@ -206,6 +205,24 @@ class Fleet(AdapterStaging, RolloutStreams, FleetMembership):
                 self.records.append(record)
         assert record is not None
         return record
+
+    def _action_run(self, tg, finished=None) -> ActionRun:
+        return ActionRun(tg, self._perform, self.coordinator.handle, finished, on_queued=self._note_queued)
+
+    def _note_queued(self, a: act.EngineAction) -> None:
+        if type(a) is act.Pause:  # on its way from now: a Resume of the engine waits for it
+            self._pauses_due[a.engine] = self._pauses_due.get(a.engine, 0) + 1
+
+    async def _perform_leftovers(self, left: list[act.EngineAction]) -> None:
+        """The actions an ended run queued and no worker took (they came with its last answer):
+        fences and unfences take effect, staged copies are dropped (shielded); a Pause never
+        sent is no longer on its way; resumes are `_resume_leftovers`'."""
+        for a in left:
+            if isinstance(a, act.Pause):
+                self._pauses_due[a.engine] = max(0, self._pauses_due.get(a.engine, 0) - 1)
+            elif isinstance(a, (act.Fence, act.Unfence)):
+                await self._perform(a)
+        await self._drop_all([a for a in left if isinstance(a, act.DropStaged)])
 
     async def _abandon(self) -> act.Record | None:
         """The coordinator's `abandon`, performed without waiting on anything unshielded:
@@ -247,128 +264,6 @@ class Fleet(AdapterStaging, RolloutStreams, FleetMembership):
         except Exception as exc:  # noqa: BLE001 - a dead engine has nothing staged to keep
             log.warning("fleet.drop_failed", engine=a.engine, version=a.version, error=str(exc))
 
-    def _dispatch(self, tg, actions: list[act.Action], send) -> act.Record | None:
-        """Starts the actions (one task per engine, its actions in order); returns the Record
-        when the actions hold one."""
-        record: act.Record | None = None
-        by_engine: dict[str, list[act.Action]] = {}
-        for a in actions:
-            if isinstance(a, act.Record):
-                record = a
-            elif isinstance(a, act.StartTimer):
-                tg.start_soon(self._timer, a, send)
-            else:
-                if isinstance(a, act.Pause):
-                    self._pauses_due[a.engine] = self._pauses_due.get(a.engine, 0) + 1
-                by_engine.setdefault(a.engine, []).append(a)
-        for engine, queue in by_engine.items():
-            tg.start_soon(self._perform_all, engine, queue, send)
-        return record
-
-    async def _timer(self, timer: act.StartTimer, send) -> None:
-        await anyio.sleep(timer.seconds)
-        await send.send(act.Timeout(engine=timer.engine, at=time.monotonic(), phase=timer.phase, token=timer.token))
-
-    async def _perform_all(self, engine_id: str, actions: list[act.Action], send) -> None:
-        for a in actions:
-            event = await self._perform(a)
-            if event is not None:
-                await send.send(event)
-
-    async def _perform(self, a: act.Action) -> act.Event | None:
-        e = a.engine
-        engine = self.engines[e]
-        now = time.monotonic
-        try:
-            if isinstance(a, act.Stage):
-                return await self._stage(engine, a)
-            if isinstance(a, act.DropStaged):
-                # Shielded like resume: the activation ends (and cancels its task group) in the
-                # same breath as it asks for the drops; an unsent drop leaves a version that
-                # never went live in the engine's shadow, where a later rollback would flip it in.
-                with anyio.CancelScope(shield=True), anyio.move_on_after(self.ft.rpc_s):
-                    await self._drop_staged(a)
-                return None
-            if isinstance(a, act.Drain):
-                self._gates.setdefault(e, anyio.Event())
-                while self._tracks_by_engine.get(e):
-                    await anyio.sleep(self.ft.poll_s)
-                return act.Drained(engine=e, at=now())
-            if isinstance(a, act.AbortInflight):
-                for t in self.tracks_on(e):
-                    t.aborted_by_activation = True
-                    await engine.abort(t.request_id)
-                return None
-            if isinstance(a, act.Pause):
-                try:
-                    self._paused.add(e)
-                    self._salt_unsettled.add(e)
-                    for t in self.tracks_on(e):
-                        t.aborted_by_activation = a.mode == "abort"
-                    await engine.pause(a.mode, a.clear_cache)
-                finally:
-                    self._pauses_due[e] = max(0, self._pauses_due.get(e, 0) - 1)
-                return act.Paused(engine=e, at=now())
-            if isinstance(a, act.Swap):
-                # From here until the fleet holds this swap's report, a rollout on this engine
-                # that ends waits for it: the worker may swap, and the rollout finish (its stream
-                # ended), before the report comes back; its later tokens carry the old label.
-                self._reports_due.setdefault(e, SwitchReport(between_steps=a.between_steps))
-                self._salt_unsettled.add(e)
-                arg = json.dumps({"watch": a.between_steps})
-                result = await self._rpc(engine, "swap_rollback" if a.rollback else "swap_apply", arg)
-                requests = {fleet_request_id(k): int(v) for k, v in (result.get("requests") or {}).items()}
-                self._note_switch(e, a.version, requests)
-                if not a.between_steps:
-                    self._release_reports(e, reported=True)
-                return act.Swapped(engine=e, at=now(), version=a.version, requests=requests)
-            if isinstance(a, act.FenceCache):
-                await engine.reset_prefix_cache()
-                return act.CacheFenced(engine=e, at=now())
-            if isinstance(a, act.SetVersion):
-                await engine.set_weight_version(a.version)
-                self._salt_version[e] = a.version
-                self._salt_unsettled.discard(e)
-                requests: dict[str, int] = {}
-                if self.strategy == "pause_free":
-                    # The confirm names the requests first scheduled between the flip and the
-                    # label (on the new weights, labelled old): the second half of the report.
-                    result = await self._rpc(engine, "swap_confirm")
-                    requests = {fleet_request_id(k): int(v) for k, v in (result.get("requests") or {}).items()}
-                    self._note_switch(e, a.version, requests)
-                    self._note_prompt_cache(e, a.version, result.get("cached") or {})
-                    self._release_reports(e, reported=True)
-                return act.VersionSet(engine=e, at=now(), version=a.version, requests=requests)
-            if isinstance(a, act.Resume):
-                # Each batch of actions runs as its own task: a Resume owed to an engine that left
-                # while its Pause was on the way must not overtake that Pause (the engine would
-                # then be paused after it, and stay so). Bounded: a Pause that never ran is not waited for.
-                with anyio.move_on_after(self.ft.rpc_s):
-                    while self._pauses_due.get(e, 0):
-                        await anyio.sleep(self.ft.poll_s)
-                await self._resume(engine)
-                return act.Resumed(engine=e, at=now())
-            if isinstance(a, act.Fence):
-                self._fence(e, a.reason)
-                return None
-            if isinstance(a, act.Unfence):
-                log.info("fleet.unfenced", engine=e, version=a.version)
-                self.set_state(e, "serving", f"serves version {a.version}")
-                return None
-        except EngineDeadError as exc:
-            if await self._told_to_stop(engine, exc):
-                return self._leaving(e)
-            return act.EngineDied(engine=e, at=now(), error=str(exc))
-        except (EngineError, RuntimeError, ValueError, OSError) as exc:
-            if await self._told_to_stop(engine, exc):
-                return self._leaving(e)
-            step = {act.Pause: "pause", act.Swap: "swap", act.FenceCache: "fence_cache",
-                    act.SetVersion: "set_version", act.Resume: "resume", act.Drain: "drain"}.get(type(a), "stage")
-            if isinstance(a, act.Stage):
-                return act.StageFailed(engine=e, at=now(), version=a.version, error=str(exc))
-            return act.StepFailed(engine=e, at=now(), step=step, error=f"{type(exc).__name__}: {exc}")
-        return None
-
     def _settle_salts(self) -> None:
         """The activation ended: every engine serves (or is fenced from) the live version."""
         self._salt_unsettled.clear()
@@ -407,38 +302,6 @@ class Fleet(AdapterStaging, RolloutStreams, FleetMembership):
                 keeps = policy == "keep" or (policy == "drain" and not self.coordinator.pauses)
                 track.kv_mode = "keep" if keeps else policy
 
-    async def _stage(self, engine: Engine, a: act.Stage) -> act.Event:
-        if self.strategy == "adapter":
-            return await self._stage_adapter(engine, a)
-        if a.rollback:
-            state = await self._rpc(engine, "swap_live_version")
-            if state.get("shadow") is None:
-                return act.StageFailed(engine=engine.engine_id, at=time.monotonic(), version=a.version,
-                                       error="no previous version to roll back to")
-            return act.Staged(engine=engine.engine_id, at=time.monotonic(), version=a.version)
-        if a.engine in self.coordinator.rejoining and await self.staged_before(engine, a.version):
-            return act.Staged(engine=engine.engine_id, at=time.monotonic(), version=a.version)
-        source = self._stage_source if a.engine not in self.coordinator.rejoining else {}
-        # No attempt: the worker stages the committed version (its COMPLETE marker and the attempt
-        # written there), whichever try of the trainer's synchronizer committed it.
-        await self._rpc(engine, "swap_stage", json.dumps({**source, "version": a.version}))
-        while True:
-            status = await self._rpc(engine, "swap_status")
-            if status.get("version") == a.version and status.get("state") == "staged":
-                return act.Staged(engine=engine.engine_id, at=time.monotonic(), version=a.version)
-            if status.get("state") == "failed":
-                return act.StageFailed(engine=engine.engine_id, at=time.monotonic(), version=a.version,
-                                       error=str(status.get("error")))
-            await anyio.sleep(self.ft.poll_s)
-
-    async def _resume(self, engine: Engine) -> None:
-        """Shielded, with its own limit: a cancelled activation still resumes the engine."""
-        with anyio.CancelScope(shield=True):
-            with anyio.fail_after(self.ft.resume_limit_s):
-                await engine.resume()
-        self._paused.discard(engine.engine_id)
-        await self._flush_deferred_aborts(engine.engine_id)
-
     async def _resume_leftovers(self) -> None:
         """Resume every engine still paused, all at once (a dead one must not delay the rest)."""
         async def resume_one(e: str) -> None:
@@ -455,29 +318,6 @@ class Fleet(AdapterStaging, RolloutStreams, FleetMembership):
                     tg.start_soon(resume_one, e)
             for e in list(self._deferred_aborts):
                 await self._flush_deferred_aborts(e)
-
-    @staticmethod
-    async def _told_to_stop(engine: Engine, exc: BaseException) -> bool:
-        """A server told to stop (SIGTERM) answers every control call "Server shutting down" while
-        it drains what it holds; a call caught at the moment the signal lands may fail otherwise
-        (a reset connection, a dead engine core's error), so any failure short of a timeout asks
-        the server itself before the engine is taken for failed."""
-        if SHUTTING_DOWN in str(exc).lower():
-            return True
-        if isinstance(exc, EngineTimeoutError):  # not answering: asking again would only wait
-            return False
-        return await engine.leaving()
-
-    def _leaving(self, engine_id: str) -> act.EngineLeaving:
-        """Leaving, not failed: the version goes on without it."""
-        self.set_state(engine_id, "draining", "its server was told to stop (SIGTERM)")
-        return act.EngineLeaving(engine=engine_id, at=time.monotonic())
-
-    async def _flush_deferred_aborts(self, engine_id: str) -> None:
-        rids = self._deferred_aborts.pop(engine_id, set())
-        if rids and engine_id not in self._paused:
-            with anyio.CancelScope(shield=True):
-                await self._abort_on(engine_id, sorted(rids))
 
     def _fence(self, engine_id: str, reason: str) -> None:
         """No new requests; its in-flight rollouts end `errored(engine_fenced)`."""

@@ -58,8 +58,9 @@ class EngineMember(msgspec.Struct):
 
 class FleetMembership:
     """Mixed into `Fleet`: requires `engines`, `coordinator`, `tracks`, `ft`, `strategy`,
-    `live_version`, `_activation_lock`, `_events`, `_rpc`, `_dispatch`, `_drop_all`, `_release_reports`,
-    `_settle_salts`, `_resume_leftovers`, `_activations_begun`, `abort_many`, `tracks_on`."""
+    `live_version`, `_activation_lock`, `_events`, `_rpc`, `_action_run`, `_perform_leftovers`,
+    `_drop_all`, `_release_reports`, `_settle_salts`, `_resume_leftovers`, `_activations_begun`,
+    `abort_many`, `tracks_on`."""
 
     def init_membership(self) -> None:
         now = time.time()
@@ -250,21 +251,21 @@ class FleetMembership:
     async def _rejoin(self, engine_id: str) -> bool:
         self._activations_begun += 1
         coord = self.coordinator
-        send, recv = anyio.create_memory_object_stream[act.Event](100)
         done = False
+        left: list = []
         try:
             async with anyio.create_task_group() as tg:
-                pending = coord.rejoin(engine_id, time.monotonic())
-                while True:
-                    self._dispatch(tg, pending, send)
-                    if any(isinstance(a, act.Unfence) for a in pending) or engine_id not in coord.rejoining:
-                        done = engine_id not in coord.fenced
-                        break
-                    pending = coord.handle(await recv.receive())
+                run = self._action_run(tg, lambda actions: any(isinstance(a, act.Unfence) for a in actions)
+                                       or engine_id not in coord.rejoining)
+                run.dispatch(coord.rejoin(engine_id, time.monotonic()))
+                await run.wait()
+                done = engine_id not in coord.fenced
+                left = run.close()
                 tg.cancel_scope.cancel()
         finally:
             if not done:  # cancelled mid-rejoin: the engine stays fenced, and may rejoin later
                 await self._drop_all([a for a in coord.abandon_rejoin(engine_id) if isinstance(a, act.DropStaged)])
+            await self._perform_leftovers(left)
             self._release_reports()
             self._settle_salts()
             await self._resume_leftovers()
