@@ -50,3 +50,82 @@ enabled = false
     assert '"run.startup"' in first and '"run.no_progress"' in first
     # bounded: start-up, then stall_s without a step, then the stop (no wall clock beyond the bound)
     assert took < 300 + STALL_S + 60
+
+
+FAULTY_ENVS = '''
+from orchestrator.tasks.env import Environment, ToolEnvironment
+
+
+class ResetRaises(Environment):
+    max_episode_tokens = 256
+
+    def row(self, index):
+        return {"index": index}
+
+    async def reset(self, row):
+        raise RuntimeError("the sandbox is down")
+
+    async def step(self, episode):
+        return [], 1.0, True
+
+
+def total(*values: int) -> int:
+    """Add numbers (a *args signature has no JSON schema)."""
+    return sum(values)
+
+
+class UndescribableTool(ToolEnvironment):
+    tools = (total,)
+    max_episode_tokens = 256
+
+    def row(self, index):
+        return {"index": index}
+
+    def prompt(self, row):
+        return "Add 1 and 2."
+
+    def score(self, episode, row):
+        return 1.0
+
+
+def reset_raises(tokenizer=None):
+    return ResetRaises()
+
+
+def undescribable_tool(tokenizer=None):
+    return UndescribableTool()
+'''
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("factory, named", [("reset_raises", "the sandbox is down"),
+                                            ("undescribable_tool", "cannot be described")])
+def test_an_environment_that_fails_every_episode_exits_2_within_stall_s_naming_why(tmp_path, rl_model, run_server,
+                                                                                   factory, named):
+    """The issue's other two: an environment whose reset raises, a tool whose signature cannot be
+    described (its schema fails at every episode's reset)."""
+    (tmp_path / "faulty_envs.py").write_text(FAULTY_ENVS)
+    config = tmp_path / "run.toml"
+    config.write_text(f"""
+[engine]
+model = "{rl_model}"
+{attach_to(run_server)}
+[task]
+entrypoint = "faulty_envs:{factory}"
+[run]
+progress = "plain"
+stall_s = {STALL_S}
+[http]
+enabled = false
+""")
+    started = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "orchestrator.commands.cli", "run", str(config), "--run-dir",
+                          str(tmp_path / "run"), "--max-steps", "5"], capture_output=True, text=True, timeout=500,
+                         cwd=tmp_path)
+    took = time.monotonic() - started
+    assert out.returncode == 2, (out.returncode, out.stdout[-2000:], out.stderr[-3000:])
+    errors = [line for line in out.stderr.splitlines() if line.startswith("inflight: error:")]
+    assert len(errors) == 1, out.stderr[-3000:]
+    assert "errored(environment_error)" in errors[0] and named in errors[0], errors[0]
+    assert "Traceback" not in out.stderr
+    assert took < 300 + STALL_S + 60
