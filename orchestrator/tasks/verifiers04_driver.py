@@ -1,7 +1,8 @@
 """The verifiers 0.4 driver (docs/agents.md): run by the verifiers 0.4 venv's python, never imported
 by the run (its venv has no verifiers 0.4). `orchestrator/tasks/verifiers04.py` starts it:
 
-    .venv-verifiers/bin/python verifiers04_driver.py CONFIG_JSON
+    .venv-verifiers/bin/python -I verifiers04_driver.py CONFIG_JSON
+    .venv-verifiers/bin/python -I verifiers04_driver.py --prepare     (make verifiers-venv: see below)
 
 CONFIG_JSON: {"env": taskset id, "taskset": {its config fields}, "harness": id or {config} or null,
 "runtime": {runtime config}, "renderer": {renderers config} or null, "model_dir": the run's model,
@@ -46,10 +47,24 @@ def main() -> None:
     out = os.fdopen(os.dup(1), "w", buffering=1)  # the protocol's own stdout
     os.dup2(2, 1)  # everything else that prints goes to stderr
     sys.stdout = sys.stderr
+    if sys.argv[1] == "--prepare":
+        asyncio.run(prepare_chat_program())
+        return
     config = json.loads(sys.argv[1])
     for entry in reversed(config.get("search_path") or []):
         sys.path.insert(0, entry)
     asyncio.run(Driver(config, out).serve())
+
+
+async def prepare_chat_program() -> None:
+    """`make verifiers-venv`: verifiers' own chat program (the `null` and `bash` harnesses') made
+    ready in the local runtime, its `uv` dependencies fetched now rather than at a run's start."""
+    from verifiers.v1.harnesses.utils.launch import CHAT_PROGRAM_SOURCE
+    from verifiers.v1.runtimes import SubprocessConfig, provision_runtime
+
+    async with provision_runtime(SubprocessConfig(), name=f"inflight-prepare-{os.getpid()}") as runtime:
+        program = await runtime.prepare_uv_script(CHAT_PROGRAM_SOURCE)
+        print(f"verifiers' chat program is ready: {program[-1]}", file=sys.stderr)
 
 
 class Fatal(Exception):
@@ -96,6 +111,7 @@ class Driver:
         raw = {"taskset": {"id": self.config["env"], **(self.config.get("taskset") or {})},
                "interception": {"type": "server"}}
         try:
+            vf.import_taskset(self.config["env"])
             cls = vf.env_config_type(self.config["env"])
         except (ModuleNotFoundError, ImportError, TypeError, ValueError, AttributeError) as exc:
             raise Fatal("task.args.env", f"no verifiers 0.4 environment {self.config['env']!r}: {exc}") from None

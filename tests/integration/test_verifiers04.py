@@ -39,16 +39,6 @@ SAMPLING = SamplingSettings(seed=11)
 _ids = itertools.count()
 
 
-@pytest.fixture(scope="session")
-def verifiers04_python() -> Path:
-    """The verifiers 0.4 venv's python, built by the Makefile's recipe when missing (cached after:
-    `make test` builds it first; about a minute from the package index)."""
-    python = ROOT / ".venv-verifiers" / "bin" / "python"
-    if not (ROOT / ".venv-verifiers" / ".installed").exists():
-        subprocess.run(["make", "-s", "verifiers-venv"], cwd=ROOT, check=True, timeout=1500)
-    return python
-
-
 class EngineSampler:
     """The run's part, reduced: one engine request per turn; keeps what the engine returned."""
 
