@@ -54,11 +54,15 @@ def test_a_missing_venv_is_named_with_how_to_build_it(tmp_path):
     assert str(tmp_path / "no-venv") in caught.value.reason and "make verifiers-venv" in caught.value.reason
 
 
-def test_an_environment_the_driver_cannot_find_is_named_at_start(verifiers04_python, tiny_model_dir):
+def test_an_environment_the_driver_cannot_find_or_configure_is_named_at_start(verifiers04_python, tiny_model_dir):
     with pytest.raises(ConfigError) as caught:
         make(env="no_such_env04", venv=str(verifiers04_python.parents[1]), model_dir=str(tiny_model_dir),
              start_timeout_s=300)
     assert caught.value.field == "task.args.env" and "no_such_env04" in caught.value.reason
+    with pytest.raises(ConfigError) as caught:
+        make(env="toy_env04", taskset={"num_taskz": 3}, venv=str(verifiers04_python.parents[1]),
+             model_dir=str(tiny_model_dir), search_path=[str(HERE)], start_timeout_s=300)
+    assert caught.value.field == "task.args" and "num_taskz" in caught.value.reason
 
 
 def test_through_the_run_a_remote_runtime_stops_it_at_start_naming_the_field(tmp_path):
@@ -83,7 +87,7 @@ async def test_a_driver_that_dies_mid_episode_ends_it_named_and_the_next_episode
                 venv=str(verifiers04_python.parents[1]), model_dir=str(tiny_model_dir), search_path=[str(HERE)],
                 start_timeout_s=300)
     try:
-        assert [task.row(i)["name"] for i in range(len(task))] == ["exit", "fine", "hang"]
+        assert [task.row(i)["name"] for i in range(len(task))] == ["exit", "fine", "hang", "raise"]
         async with served(endpoint, tmp_path) as url:
             episodes = AgentEpisodes(task.run, endpoint, lambda: url, timeout_s=120)
 
@@ -100,8 +104,20 @@ async def test_a_driver_that_dies_mid_episode_ends_it_named_and_the_next_episode
             sampler = Script(renderer, ["5"])  # one that never ends: past timeout_s, cancelled, named
             with pytest.raises(AgentError, match=r"no answer in 20 s \(task.args.timeout_s\): cancelled"):
                 await episodes.run_episode(task.row(2), sampler, 16)
+            with pytest.raises(AgentError, match=r"rollout failed: .*no score for this one"):
+                await episodes.run_episode(task.row(3), Script(renderer, ["5"]), 16)  # a failed rollout: no reward
             episode = await episodes.run_episode(task.row(1), Script(renderer, ["7a"]), 16)
             assert episode.reward == pytest.approx(1 / 2) and task.link.starts == 2, "the same driver goes on"
+
+            # That driver completed an episode: it earned a restart. One that dies before completing
+            # any is not started again.
+            for starts in (2, 3):
+                with pytest.raises(AgentError, match="driver died"):
+                    await episodes.run_episode(task.row(0), Script(renderer, ["1"]), 16)
+                assert task.link.starts == starts
+            with pytest.raises(AgentError, match="died again after its restart: not started again"):
+                await episodes.run_episode(task.row(1), Script(renderer, ["1"]), 16)
+            assert task.link.starts == 3
     finally:
         task.close()
     assert task.link._proc is None
