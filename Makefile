@@ -54,7 +54,7 @@ $(JAX_STAMP): $(STAMP) pyproject.toml
 # `uv` runs its harness programs in a local runtime; their dependencies are fetched once, here
 # (into uv's cache), by the driver's --prepare.
 VF04_VENV := .venv-verifiers
-VF04_STAMP := $(VF04_VENV)/.installed
+VF04_STAMP := $(VF04_VENV)/.installed-uv
 $(VF04_STAMP):
 	@test -x $(VF04_VENV)/bin/python || $(PYTHON) -m venv $(VF04_VENV)
 	$(VF04_VENV)/bin/pip install --quiet "verifiers==0.4.*" uv

@@ -39,7 +39,7 @@ def verifiers04_python() -> Path:
     import subprocess
 
     root = Path(__file__).resolve().parents[1]
-    if not (root / ".venv-verifiers" / ".installed").exists():
+    if not (root / ".venv-verifiers" / ".installed-uv").exists():  # the Makefile's stamp (uv and its cache too)
         subprocess.run(["make", "-s", "verifiers-venv"], cwd=root, check=True, timeout=1500)
     return root / ".venv-verifiers" / "bin" / "python"
 
