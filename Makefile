@@ -51,11 +51,14 @@ $(JAX_STAMP): $(STAMP) pyproject.toml
 
 # verifiers 0.4 (its environments, its TrainClient) lives in a venv of its own: it pins mcp==2.0.0
 # and openai<3, which the run's venv (openai 3.x, verifiers 0.1.10) cannot hold. docs/agents.md.
+# `uv` runs its harness programs in a local runtime; their dependencies are fetched once, here
+# (into uv's cache), by the driver's --prepare.
 VF04_VENV := .venv-verifiers
-VF04_STAMP := $(VF04_VENV)/.installed
+VF04_STAMP := $(VF04_VENV)/.installed-uv
 $(VF04_STAMP):
 	@test -x $(VF04_VENV)/bin/python || $(PYTHON) -m venv $(VF04_VENV)
-	$(VF04_VENV)/bin/pip install --quiet "verifiers==0.4.*"
+	$(VF04_VENV)/bin/pip install --quiet "verifiers==0.4.*" uv
+	PATH="$(abspath $(VF04_VENV))/bin:$$PATH" $(VF04_VENV)/bin/python -I orchestrator/tasks/verifiers04_driver.py --prepare
 	@touch $(VF04_STAMP)
 
 verifiers-venv: $(VF04_STAMP)

@@ -33,6 +33,18 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def verifiers04_python() -> Path:
+    """The verifiers 0.4 venv's python, built by the Makefile's recipe when missing (cached after:
+    `make test` builds it first; a minute or more from the package index)."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    if not (root / ".venv-verifiers" / ".installed-uv").exists():  # the Makefile's stamp (uv and its cache too)
+        subprocess.run(["make", "-s", "verifiers-venv"], cwd=root, check=True, timeout=1500)
+    return root / ".venv-verifiers" / "bin" / "python"
+
+
+@pytest.fixture(scope="session")
 def rl_model(tmp_path_factory) -> Path:
     """The tiny-rl preset (what `inflight run` trains by default), built once per session: every
     `inflight run` test only reads it (a run never writes into its model directory)."""

@@ -61,7 +61,10 @@ def make_task(config: TaskConfig, model_dir: str, *, search_path: list[str] | No
         from orchestrator.tasks.entrypoint import call_factory, load_callable
 
         factory = load_callable(config.entrypoint, f"{where}.entrypoint", search_path)
-        made = call_factory(factory, dict(config.args), where, tokenizer=tokenizer)
+        # A factory may name the tokenizer, the engines' model and the run's search path to get them
+        # (orchestrator.tasks.verifiers04:make hands the last two to its driver process).
+        made = call_factory(factory, dict(config.args), where, tokenizer=tokenizer, model_dir=model_dir,
+                            search_path=list(search_path or []))
         from orchestrator.tasks.episodes import environment_task, is_environment
 
         if is_environment(made):

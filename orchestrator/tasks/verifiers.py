@@ -13,7 +13,8 @@ endpoint, then scores it with the environment's rubric: that score is the episod
 Written for the classic verifiers API (0.1.x: `Environment.rollout(input, client, model,
 sampling_args)`, `MultiTurnEnv`, `Rubric.score_rollout`), the one that runs in-process on an
 `openai` client. verifiers 0.4 replaced it (`verifiers.v1`: harness programs in sandboxed
-runtimes behind an interception proxy) and is refused here, by name.
+runtimes behind an interception proxy) and is refused here, by name: its environments run through
+`orchestrator.tasks.verifiers04:make`, in a venv of their own.
 
 Two things verifiers does that a run cannot have are held off: its `Environment` installs
 process-wide SIGINT/SIGTERM handlers when constructed (the run owns those signals: they stop

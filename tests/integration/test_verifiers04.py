@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -36,16 +37,6 @@ SCRIPT = ROOT / "tests" / "verifiers04" / "train_client_turns.py"
 # Turns end on eos, as verifiers' renderer asks (its stop ids must be ones the run stops on).
 SAMPLING = SamplingSettings(seed=11)
 _ids = itertools.count()
-
-
-@pytest.fixture(scope="session")
-def verifiers04_python() -> Path:
-    """The verifiers 0.4 venv's python, built by the Makefile's recipe when missing (cached after:
-    `make test` builds it first; about a minute from the package index)."""
-    python = ROOT / ".venv-verifiers" / "bin" / "python"
-    if not (ROOT / ".venv-verifiers" / ".installed").exists():
-        subprocess.run(["make", "-s", "verifiers-venv"], cwd=ROOT, check=True, timeout=1500)
-    return python
 
 
 class EngineSampler:
@@ -114,3 +105,57 @@ async def test_verifiers_own_train_client_plays_three_turns_into_one_token_exact
     for k, (prompt, ids, logprobs) in enumerate(sampler.turns):
         expected = reference_logprobs(str(tiny_model_dir), prompt, ids)
         assert max(abs(a - b) for a, b in zip(logprobs, expected)) < 1e-3, f"turn {k + 1}"
+
+
+# -- a verifiers 0.4 environment through `inflight run` (orchestrator.tasks.verifiers04) ------------
+
+def _trace_tokens(trace: dict) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(the prompt's ids, the sampled ids) of a one-turn verifiers trace, from its message nodes (the
+    assistant's node opens with the generation prompt, unmasked, then its sampled tokens)."""
+    tokens = [t for n in trace["nodes"] for t in n["token_ids"]]
+    mask = [m for n in trace["nodes"] for m in n["mask"]]
+    first = mask.index(True)
+    assert all(mask[first:]), "one turn: every token after the prompt was sampled"
+    return tuple(tokens[:first]), tuple(tokens[first:])
+
+
+def test_a_verifiers04_environment_with_a_local_runtime_trains_through_the_run(
+        tmp_path, rl_model, run_server, verifiers04_python):
+    """The toy 0.4 environment (tests/verifiers04/toy_env04.py, beside the config as a user's module
+    is) with verifiers' `null` harness in the `subprocess` runtime: two steps of `inflight run`."""
+    from replay.log import read_records
+    from replay.records import ConsumptionRecord, RolloutRecord
+    from tests.helpers import attach_to
+    from tests.integration.test_multi_turn_run import inflight
+
+    shutil.copy(ROOT / "tests" / "verifiers04" / "toy_env04.py", tmp_path / "toy_env04.py")
+    renderer = ROOT / "tests" / "verifiers04" / "chatml_renderer.py"
+    traces = tmp_path / "traces"
+    config = tmp_path / "vf04.toml"
+    config.write_text(
+        f'[engine]\nmodel = "{rl_model}"\n{attach_to(run_server)}[task]\n'
+        'entrypoint = "orchestrator.tasks.verifiers04:make"\n'
+        f'args = {{env = "toy_env04", harness = "null", runtime = "subprocess", taskset = {{num_tasks = 4}}, '
+        f'renderer = {{name = "custom", import_path = "{renderer}:ChatMLBridge"}}, '
+        f'venv = "{verifiers04_python.parents[1]}", trace_dir = "{traces}"}}\n'
+        '[sampling]\nmax_tokens = 16\n[scheduler]\ngroup_size = 4\nbatch_groups = 2\n'
+        '[run]\nmax_steps = 2\nprogress = "plain"\n')
+    run_dir = tmp_path / "run"
+    done = inflight("run", str(config), "--run-dir", str(run_dir))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    records = {r.rollout_id: r for r in read_records(run_dir) if isinstance(r, RolloutRecord)}
+    consumed = [records[rid] for c in read_records(run_dir) if isinstance(c, ConsumptionRecord)
+                for rid in c.rollout_ids]
+    assert len(consumed) == 2 * 8, "both steps consumed a whole batch of episodes"
+    episodes = [json.loads(line)["episode"] for f in traces.glob("*.jsonl") for line in f.read_text().splitlines()]
+    by_tokens = {_trace_tokens(e["traces"][0]): e["traces"][0] for e in episodes if e["ok"]}
+    for r in consumed:
+        assert r.status_name == "completed" and r.turns == 1 and r.episode_end == "done"
+        trace = by_tokens[(tuple(r.prompt_tokens().tolist()), tuple(r.completion_tokens().tolist()))]
+        reward = sum(v["score"] * v["weight"] for v in trace["rewards"].values())
+        assert r.rewards["reward"] == pytest.approx(reward), "the episode's reward is its trace's"
+        assert trace["agent"]["config"]["runtime"]["type"] == "subprocess"
+    assert len({r.rewards["reward"] for r in consumed}) > 1, "rewards that differ: the trainer has a signal"
+    verified = inflight("replay", str(run_dir), "--verify-spans")
+    assert verified.returncode == 0 and "verify spans: passed" in verified.stdout, verified.stdout[-2000:]
