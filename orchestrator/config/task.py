@@ -67,6 +67,12 @@ class TaskConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # one, where the environment's score does not take `truncated` (docs/multi-turn.md); an
     # agent's, when it raised on the endpoint's context-length refusal.
     truncation_reward: float = 0.0
+    # Building the task at start (the factory of `entrypoint`, reading and scanning `dataset`), in
+    # a worker thread: past it the run stops, naming the factory (it cannot hang the start).
+    build_timeout_s: float = 600.0
+    # One row (`row(index)` of a task object) and its prompt's rendering, in a worker thread: past
+    # it the run stops naming the row, instead of waiting on it with every admission behind it.
+    row_timeout_s: float = 60.0
 
     @property
     def scoring_pool(self) -> str:
@@ -90,6 +96,9 @@ class TaskConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ConfigError("task.agent", f"must be 'package.module:function', got {self.agent!r}")
         if not self.agent_timeout_s > 0:
             raise ConfigError("task.agent_timeout_s", f"must be > 0, got {self.agent_timeout_s}")
+        for name in ("build_timeout_s", "row_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"task.{name}", f"must be > 0, got {getattr(self, name)}")
         if not math.isfinite(self.truncation_reward):
             raise ConfigError("task.truncation_reward", f"must be a finite number, got {self.truncation_reward}")
         if isinstance(self.chat_template, str) and not self.chat_template.strip():

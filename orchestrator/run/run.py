@@ -236,8 +236,10 @@ class Run:
         # thread for each rollout the scheduler may keep in flight (tasks/user_code.py).
         user_code = UserCode(threads=config.scheduler.max_inflight)
         with self.startup.phase("task"):
-            self.task = await anyio.to_thread.run_sync(lambda: make_task(
-                config.task, model_dir, search_path=self.search_path, sampling=self.sampling, user_code=user_code))
+            # In the runner's daemon thread, bounded: a factory that blocks cannot hang the start.
+            self.task = await user_code.call(lambda: make_task(
+                config.task, model_dir, search_path=self.search_path, sampling=self.sampling, user_code=user_code),
+                timeout_s=config.task.build_timeout_s, what=f"building the task ({_task_source(config.task)})")
         self._serve_agent_endpoint()
         # A multi-turn task's reward is its episode's: no scoring pool to start.
         pool = "thread" if getattr(self.task, "episodic", False) else config.task.scoring_pool
@@ -489,6 +491,13 @@ class Run:
                 self.journal.close()
             if self.tracking is not None:
                 self.tracking.close()
+
+
+def _task_source(task) -> str:
+    """What builds the task, for a timeout's message."""
+    if task.entrypoint:
+        return f"task.entrypoint {task.entrypoint}"
+    return f"task.dataset {task.dataset}" if task.dataset else f"task.name {task.name}"
 
 
 async def _shutdown_engine(engine) -> None:

@@ -33,6 +33,9 @@ class TaskExhausted(Exception):
     """The task has no prompt at this index (its dataset's epochs are used up)."""
 
 
+_ROWS = None  # the runner of prompt_sync calls (user_code.UserCode), made at the first
+
+
 class Task(abc.ABC):
     name: str = "abstract"
 
@@ -41,7 +44,15 @@ class Task(abc.ABC):
         self.config = config
 
     async def prompt(self, index: int) -> Prompt:
-        return await anyio.to_thread.run_sync(self.prompt_sync, index)
+        """`prompt_sync` in a daemon worker thread (a user's `row()` may block: it never holds the
+        loop, nor the process at its exit), bounded by `task.row_timeout_s` (UserCodeTimeout)."""
+        from orchestrator.tasks.user_code import UserCode
+
+        global _ROWS
+        if _ROWS is None:
+            _ROWS = UserCode(threads=8, name="rows")
+        return await _ROWS.call(self.prompt_sync, index, timeout_s=self.config.row_timeout_s,
+                                what=f"row {index} of task {self.name!r}")
 
     async def score(self, prompt: Prompt, completion_token_ids: Sequence[int]) -> dict[str, float]:
         """`score_sync` in a worker thread (the run bounds it with `orchestrator.scoring.scorer.Scorer`)."""

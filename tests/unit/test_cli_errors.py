@@ -334,3 +334,64 @@ async def test_a_successful_activation_clears_the_degraded_report(tmp_path):
     run.journal.close()
     assert run.loop.failure is None and run.scheduler.done_steps == run.max_steps
     assert any(degraded) and not degraded[-1]
+
+
+def test_a_task_factory_that_never_returns_exits_2_naming_it_within_build_timeout_s(tmp_path):
+    """A factory (or dataset scan) that blocks: the run stops at task.build_timeout_s, naming what
+    builds the task, before engines start; its thread is a daemon, so the process exits."""
+    write(tmp_path / "slow_task.py", "import time\n\ndef make():\n    time.sleep(3600)\n")
+    model = Path(__file__).resolve().parents[2] / "models" / "tiny-rl"
+    config = write(tmp_path / "run.toml", f'[engine]\nmodel = "{model}"\n[task]\nentrypoint = "slow_task:make"\n'
+                                          'build_timeout_s = 2.0\n[run]\nprogress = "plain"\n')
+    out = subprocess.run(INFLIGHT + ["run", str(config), "--run-dir", str(tmp_path / "run")], capture_output=True,
+                         text=True, timeout=300, cwd=tmp_path)
+    assert_one_named_error(out, "building the task", "slow_task:make", "2 s")
+    assert "engine.starting" not in events(tmp_path / "run")
+
+
+async def test_a_row_that_never_returns_is_a_named_timeout_and_holds_no_loop(tmp_path, tiny_model_dir):
+    """An endless task (row(index), no __len__) whose row 3 blocks: prompt(3) fails at
+    task.row_timeout_s naming the row, and the loop keeps running meanwhile."""
+    import threading
+
+    import anyio
+
+    from orchestrator.config.run import TaskConfig
+    from orchestrator.errors import UserCodeTimeout
+    from orchestrator.tasks import make_task
+
+    release = threading.Event()
+
+    class Endless:
+        def row(self, index):
+            if index == 3:
+                release.wait(60)
+            return {"prompt": f"say {index}", "answer": str(index)}
+
+    import sys
+    import types
+
+    module = types.ModuleType("endless_rows")
+    module.make = lambda: Endless()
+    sys.modules["endless_rows"] = module
+    try:
+        config = TaskConfig(entrypoint="endless_rows:make", rewards=[{"fn": "exact"}], row_timeout_s=0.5).validate()
+        task = make_task(config, str(tiny_model_dir))
+        ticks = 0
+
+        async def tick():
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await anyio.sleep(0.01)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(tick)
+            assert (await task.prompt(2)).row["answer"] == "2"
+            with pytest.raises(UserCodeTimeout, match="row 3"):
+                await task.prompt(3)
+            tg.cancel_scope.cancel()
+        assert ticks > 10  # the loop ran while the row blocked
+    finally:
+        release.set()
+        del sys.modules["endless_rows"]
