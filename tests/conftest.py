@@ -183,6 +183,16 @@ def run_server(rl_model, engine_log_dir) -> str:
     engine._terminate_process_group()
 
 
+@pytest.fixture(scope="session")
+def tool_agent_dir(rl_model, tmp_path_factory) -> Path:
+    """tiny-rl tuned to call its `add` tool in the Agents SDK's and LangChain's conversations
+    (`tests.framework_agents.tool_agent_model`), built once per session for the engine test and
+    the run test."""
+    from tests.framework_agents import tool_agent_model
+
+    return tool_agent_model(rl_model, tmp_path_factory.mktemp("tool-agent") / "model")
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _no_vllm_state_leaks_between_modules():
     """An in-process vLLM engine (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, the `uni` executor) leaves

@@ -108,6 +108,7 @@ def tool_agent_model(base: Path, out: Path, steps: int = 800, lr: float = 3e-3, 
 
     from orchestrator.tasks.agent_endpoint import AgentEndpoint
     from orchestrator.tasks.turns import TurnRenderer
+    from tests.multi_turn_helpers import conversation_ids
 
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(base)
@@ -117,7 +118,7 @@ def tool_agent_model(base: Path, out: Path, steps: int = 800, lr: float = 3e-3, 
     for kind in ("sdk", "langchain"):
         messages, tools = first_messages(kind)
         rendered, _ = endpoint._first_chat_prompt(messages, tools)
-        ids, mask = _conversation(tokenizer, [*rendered, {"role": "assistant", "content": CALL},
+        ids, mask = conversation_ids(tokenizer, [*rendered, {"role": "assistant", "content": CALL},
                                               {"role": "tool", "content": "3"}, {"role": "assistant", "content": "3"}])
         batches.append((torch.tensor([ids]), torch.tensor([[t if m else -100 for t, m in zip(ids, mask)]])))
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
@@ -140,12 +141,3 @@ def tool_agent_model(base: Path, out: Path, steps: int = 800, lr: float = 3e-3, 
     return out
 
 
-def _conversation(tokenizer, turns: list[dict]) -> tuple[list[int], list[bool]]:
-    ids: list[int] = []
-    mask: list[bool] = []
-    for n in range(1, len(turns) + 1):
-        text = tokenizer.apply_chat_template(turns[:n], tokenize=False, add_generation_prompt=False)
-        new = tokenizer(text, add_special_tokens=False)["input_ids"][len(ids):]
-        ids += new
-        mask += [turns[n - 1]["role"] == "assistant"] * len(new)
-    return ids, mask

@@ -21,6 +21,12 @@ def tool_conversation(tokenizer) -> tuple[list[int], list[bool]]:
     start = asyncio.run(env.reset({"a": 1, "b": 2}))
     turns = [*start, {"role": "assistant", "content": CALL}, {"role": "tool", "content": "3"},
              {"role": "assistant", "content": "3"}]
+    return conversation_ids(tokenizer, turns)
+
+
+def conversation_ids(tokenizer, turns: list[dict]) -> tuple[list[int], list[bool]]:
+    """(token ids, trained-on mask) of `turns` as the template renders them, turn by turn; the
+    loss is on the assistant's tokens only."""
     ids: list[int] = []
     mask: list[bool] = []
     for n in range(1, len(turns) + 1):

@@ -42,7 +42,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from orchestrator.errors import ConfigError
-from orchestrator.tasks.agent_endpoint import EPISODE_HEADER, MODEL_NAME
+from orchestrator.tasks.agent_endpoint import MODEL_NAME
 from orchestrator.tasks.verifiers04_link import TOKEN_VAR, DriverLink
 
 FIELD = "task.args"
@@ -134,9 +134,8 @@ class Verifiers04Task:
 
     def run(self, client, row: dict) -> float:
         """In the episode's worker thread: the episode's URL read off its client (the run's
-        endpoint, the episode named in its header), one rollout there, the trace's reward."""
-        base = str(client.base_url).rstrip("/").removesuffix("/v1")
-        url = f"{base}/e/{client.default_headers[EPISODE_HEADER]}/v1"
+        base URL names the episode), one rollout there, the trace's reward."""
+        url = str(client.base_url).rstrip("/")  # the episode's: {run}/e/{episode}/v1
         answer = self.link.episode(row["idx"], url, client.api_key)
         return float(answer["reward"])
 

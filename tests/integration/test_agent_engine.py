@@ -21,7 +21,7 @@ from orchestrator.tasks.agent import AgentEpisodes, sampling_checker
 from orchestrator.tasks.env import SampledTurn
 from orchestrator.tasks.turns import TurnRenderer
 from tests.agent_helpers import served
-from tests.framework_agents import CALL, langchain_agent, sdk_agent, sdk_streamed_agent, tool_agent_model
+from tests.framework_agents import CALL, langchain_agent, sdk_agent, sdk_streamed_agent
 from tests.reference import reference_logprobs
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
@@ -109,8 +109,8 @@ TOOL_SAMPLING = SamplingSettings(temperature=0.0, seed=7)
 
 
 @pytest.fixture(scope="module")
-def tool_model(rl_model, tmp_path_factory):
-    return tool_agent_model(rl_model, tmp_path_factory.mktemp("tool-agent") / "model")
+def tool_model(tool_agent_dir):
+    return tool_agent_dir
 
 
 @pytest.fixture(scope="module")

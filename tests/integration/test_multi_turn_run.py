@@ -213,10 +213,8 @@ def test_an_agent_task_without_the_http_server_stops_at_start_naming_the_field(t
     assert "http.enabled" in last and "Traceback" not in done.stderr, done.stderr[-2000:]
 
 
-def test_an_agents_sdk_agent_trains_through_inflight_run_and_its_spans_verify(tmp_path):
-    from tests.framework_agents import tool_agent_model
-
-    model = tool_agent_model(ROOT / "models" / "tiny-rl", tmp_path / "tool-agent-model")
+def test_an_agents_sdk_agent_trains_through_inflight_run_and_its_spans_verify(tmp_path, tool_agent_dir):
+    model = tool_agent_dir
     config = tmp_path / "sdk-agent.toml"
     config.write_text(f'[engine]\nmodel = "{model}"\n[task]\nagent = "tests.framework_agents:sdk_agent"\n'
                       'entrypoint = "orchestrator.tasks.toy_agent:rows"\n[sampling]\nmax_tokens = 64\n'
@@ -229,5 +227,8 @@ def test_an_agents_sdk_agent_trains_through_inflight_run_and_its_spans_verify(tm
                 for rid in c.rollout_ids]
     assert len(consumed) == 2 * 8 and all(r.status_name == "completed" for r in consumed)
     assert all(np.isfinite(r.logprobs()[r.sampled_mask()]).all() for r in consumed)
+    # Episodes with a tool call and its result: the tool's answer is recorded as environment tokens.
+    called = [r for r in consumed if r.turns >= 2 and r.environment_ranges()]
+    assert called, [(r.turns, r.episode_end) for r in consumed]
     verified = inflight("replay", str(run_dir), "--verify-spans")
     assert verified.returncode == 0 and "verify spans: passed" in verified.stdout, verified.stdout[-2000:]

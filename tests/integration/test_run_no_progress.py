@@ -36,20 +36,27 @@ stall_s = {STALL_S}
 [http]
 enabled = false
 """)
+    error = stopped_naming_why(tmp_path, config)
+    assert "errored(reward_error)" in error and "reward 'never'" in error, error
+    assert "the grader is down" in error and "orchestrator.jsonl" in error
+    first = (tmp_path / "run" / "orchestrator.jsonl").read_text()
+    assert '"run.startup"' in first and '"run.no_progress"' in first
+
+
+def stopped_naming_why(tmp_path, config) -> str:
+    """`inflight run` of `config` in `tmp_path`: exit 2 with one error line (returned) and no
+    traceback, within start-up + stall_s + 60 s (no wall clock asserted beyond that bound)."""
     started = time.monotonic()
     out = subprocess.run([sys.executable, "-m", "orchestrator.commands.cli", "run", str(config), "--run-dir",
-                          str(tmp_path / "run"), "--max-steps", "5"], capture_output=True, text=True, timeout=500)
+                          str(tmp_path / "run"), "--max-steps", "5"], capture_output=True, text=True, timeout=500,
+                         cwd=tmp_path)
     took = time.monotonic() - started
     assert out.returncode == 2, (out.returncode, out.stdout[-2000:], out.stderr[-3000:])
     errors = [line for line in out.stderr.splitlines() if line.startswith("inflight: error:")]
     assert len(errors) == 1, out.stderr[-3000:]
-    assert "errored(reward_error)" in errors[0] and "reward 'never'" in errors[0], errors[0]
-    assert "the grader is down" in errors[0] and "orchestrator.jsonl" in errors[0]
     assert "Traceback" not in out.stderr
-    first = (tmp_path / "run" / "orchestrator.jsonl").read_text()
-    assert '"run.startup"' in first and '"run.no_progress"' in first
-    # bounded: start-up, then stall_s without a step, then the stop (no wall clock beyond the bound)
     assert took < 300 + STALL_S + 60
+    return errors[0]
 
 
 FAULTY_ENVS = '''
@@ -118,14 +125,5 @@ stall_s = {STALL_S}
 [http]
 enabled = false
 """)
-    started = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "orchestrator.commands.cli", "run", str(config), "--run-dir",
-                          str(tmp_path / "run"), "--max-steps", "5"], capture_output=True, text=True, timeout=500,
-                         cwd=tmp_path)
-    took = time.monotonic() - started
-    assert out.returncode == 2, (out.returncode, out.stdout[-2000:], out.stderr[-3000:])
-    errors = [line for line in out.stderr.splitlines() if line.startswith("inflight: error:")]
-    assert len(errors) == 1, out.stderr[-3000:]
-    assert "errored(environment_error)" in errors[0] and named in errors[0], errors[0]
-    assert "Traceback" not in out.stderr
-    assert took < 300 + STALL_S + 60
+    error = stopped_naming_why(tmp_path, config)
+    assert "errored(environment_error)" in error and named in error, error

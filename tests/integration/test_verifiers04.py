@@ -22,7 +22,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from orchestrator.tasks.agent import AgentEpisodes, sampling_checker
-from orchestrator.tasks.agent_endpoint import EPISODE_HEADER, AgentEndpoint
+from orchestrator.tasks.agent_endpoint import AgentEndpoint
 from orchestrator.tasks.env import SampledTurn
 from orchestrator.tasks.templates import engine_stop_ids
 from orchestrator.tasks.turns import TurnRenderer
@@ -63,8 +63,7 @@ def verifiers04_agent(python: Path, turns: list[dict]):
     the replies (the toy agent's). `turns` gets what the client read, turn by turn."""
 
     def run(client, row) -> float:
-        base = str(client.base_url).rstrip("/").removesuffix("/v1")
-        url = f"{base}/e/{client.default_headers[EPISODE_HEADER]}/v1"
+        url = str(client.base_url).rstrip("/")  # the episode's: {run}/e/{episode}/v1
         done = subprocess.run([str(python), str(SCRIPT), url, row["model_dir"], "3"], capture_output=True, text=True,
                               env={**os.environ, "INFLIGHT_TOKEN": client.api_key}, timeout=300)
         if done.returncode != 0:
