@@ -164,6 +164,11 @@ class RolloutStreams:
     `_gates`, `_gate_waiters`, `_paused`, `_deferred_aborts`, `_reports_due`, `_salt_unsettled`, `_salt_version`,
     `_rr` and `live_version`."""
 
+    def leaving_or_gone(self, engine_id: str) -> bool:
+        """Whether the engine is leaving the fleet (drained, or its server told to stop) or has
+        left: a rollout dispatched to it that has not started never reaches it."""
+        return engine_id in self.coordinator.leaving or engine_id not in self.coordinator.engines
+
     def _pick(self, engine_id: str | None) -> str:
         if engine_id is not None:  # the scheduler's choice (not `serving`: a new tuple of the fleet per rollout)
             if not self.coordinator.may_dispatch(engine_id):

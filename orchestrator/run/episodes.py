@@ -27,7 +27,7 @@ import time
 
 import msgspec
 
-from orchestrator.errors import ActivationError, EngineError
+from orchestrator.errors import ActivationError, EngineError, FencedEngineError
 from orchestrator.fleet.rollouts import FleetCompletion
 from orchestrator.run.records import request_id
 from orchestrator.scheduling import scheduler as sch
@@ -136,6 +136,11 @@ async def episode_rollout(loop, d: sch.Dispatch) -> None:
         _finish(loop, d, entry, turns, "aborted", message=str(exc), status="dropped")
         return
     except (EngineError, ActivationError) as exc:  # fenced before a turn started, or no engine left
+        if turns.first is None and isinstance(exc, FencedEngineError) and loop.run.fleet.leaving_or_gone(d.engine):
+            # its engine left before turn 1 started (drained, told to stop): sampled again elsewhere
+            _finish(loop, d, entry, turns, "aborted", message=f"{d.engine} left the fleet before this episode "
+                                                              "started: sampled again elsewhere", status="dropped")
+            return
         loop._engines_fenced()
         _finish(loop, d, entry, turns, "errored", "engine_fenced", str(exc))
         return

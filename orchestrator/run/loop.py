@@ -204,6 +204,8 @@ class RunLoop:
                     ctx.prompt_token_ids, self.run.sampling, engine_id=d.engine,
                     request_id=request_id(d.rollout_id), redispatch=False, final_only=True)
             except (EngineError, ActivationError) as exc:  # fenced before it started, or no engine left
+                if self.left_before_start(d, exc):
+                    return
                 # Tell the scheduler first: its retry of this group must not choose the fenced
                 # engine again (least loaded, it would be chosen at once: a hot loop of errors).
                 self._engines_fenced()
@@ -275,6 +277,18 @@ class RunLoop:
         for engine in coordinator.fenced:
             self.handle(sch.EngineDown(engine=engine))
         self.check_serving()
+
+    def left_before_start(self, d: sch.Dispatch, exc: BaseException) -> bool:
+        """A rollout dispatched to an engine that then left (drained, or told to stop) before its
+        request started: never sent, so nothing failed; it ends dropped and is sampled again
+        elsewhere, as those the drain aborts are (not `errored(engine_fenced)`)."""
+        from orchestrator.errors import FencedEngineError
+
+        if not isinstance(exc, FencedEngineError) or not self.run.fleet.leaving_or_gone(d.engine):
+            return False
+        self._finished(d, None, "aborted", message=f"{d.engine} left the fleet before this rollout started: "
+                                                    "sampled again elsewhere")
+        return True
 
     def _finished(self, d: sch.Dispatch, completion, outcome: str, kind: str = "", message: str = "") -> None:
         if d.rollout_id not in self.run.scheduler.rollouts:

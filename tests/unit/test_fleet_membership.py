@@ -286,3 +286,29 @@ async def test_an_engine_that_leaves_while_its_pause_is_on_the_way_ends_unpaused
     assert done and fleet.live_version == 1
     assert "b" in fleet.coordinator.leaving
     assert not b.paused, b.calls
+
+
+async def test_a_rollout_dispatched_to_an_engine_that_left_before_it_started_is_dropped_not_errored():
+    """The scheduler chose b; b was drained before the rollout's request started (the dispatcher
+    journals a batch first): the fleet refuses it (FencedEngineError), and the loop ends it
+    dropped, to be sampled again elsewhere, never errored(engine_fenced) (seen in
+    test_fleet_elastic: 24 of the drained engine's rollouts errored). A fenced engine's stay errored."""
+    from types import SimpleNamespace
+
+    from orchestrator.errors import FencedEngineError
+    from orchestrator.run.loop import RunLoop
+    from orchestrator.scheduling.scheduler import Dispatch
+
+    fleet = fleet_of(ScriptedEngine("a"), ScriptedEngine("b"), ScriptedEngine("c"))
+    ended: list = []
+    loop = SimpleNamespace(run=SimpleNamespace(fleet=fleet),
+                           _finished=lambda d, completion, outcome, kind="", message="": ended.append(
+                               (d.engine, outcome, kind, message)))
+    await fleet.mark_leaving("b")
+    fleet.coordinator.fenced.add("c")
+    for engine in ("b", "c"):
+        with pytest.raises(FencedEngineError) as refused:
+            await fleet.generate([1], SamplingSettings(max_tokens=4), engine_id=engine, redispatch=False)
+        d = Dispatch(rollout_id=1, group_id=0, engine=engine, version=0)
+        assert RunLoop.left_before_start(loop, d, refused.value) is (engine == "b")
+    assert ended == [("b", "aborted", "", "b left the fleet before this rollout started: sampled again elsewhere")]
