@@ -164,7 +164,9 @@ def run_server(rl_model, engine_log_dir) -> str:
     (`tests.helpers.attach_to(url)`). Each run resets it to version 0
     at its start, as it does any attached server (`ServerEngine.reset_to_base`), so a test that
     attaches saves an engine start (about 15 s) and proves nothing less: what a run's engine
-    does is the same whoever started it. Runs whose engine settings differ start their own."""
+    does is the same whoever started it. Only short runs attach: its tokens stream over HTTP, so a
+    long run pays per token (the default run's 60 steps: 101 s on it, 60 s on its own in-process
+    engine). Runs whose engine settings differ start their own."""
     import anyio
 
     from orchestrator.config.run import SWAP_EXTENSION, EngineConfig

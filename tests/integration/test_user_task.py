@@ -22,7 +22,6 @@ import pytest
 from replay.log import read_records
 from replay.records import ConsumptionRecord, EvalRecord, RolloutRecord
 from tests.doc_snippets import write_snippets
-from tests.helpers import attach_to
 from tests.integration.test_run import finish, kill_group, start, stats_json
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
@@ -110,8 +109,8 @@ def run_in(directory: Path, args: list[str], log: Path):
 
 
 @pytest.mark.timeout(1500)
-def test_a_user_task_package_learns_records_its_faults_evaluates_and_tracks(tmp_path, rl_model, run_server):
-    config = package(tmp_path, rl_model, faults=True, engine_extra=attach_to(run_server),
+def test_a_user_task_package_learns_records_its_faults_evaluates_and_tracks(tmp_path, rl_model):
+    config = package(tmp_path, rl_model, faults=True,
                      run_extra='wandb = { project = "inflight-test", mode = "offline" }', extra="""
 [eval]
 every_steps = 10
