@@ -8,7 +8,6 @@ conversations, so that a real engine calls the tool)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 QUESTION = "What is 1 + 2? Use the add tool."
@@ -101,14 +100,12 @@ def tool_agent_model(base: Path, out: Path, steps: int = 800, lr: float = 3e-3, 
     (rendered as the endpoint renders them), saved at `out` (reused when there)."""
     if (out / "config.json").is_file():
         return out
-    import shutil
-
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from orchestrator.tasks.agent_endpoint import AgentEndpoint
     from orchestrator.tasks.turns import TurnRenderer
-    from tests.multi_turn_helpers import conversation_ids
+    from tests.multi_turn_helpers import conversation_ids, save_tuned
 
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(base)
@@ -132,12 +129,6 @@ def tool_agent_model(base: Path, out: Path, steps: int = 800, lr: float = 3e-3, 
         optimizer.step()
     else:
         raise AssertionError(f"the tool agent model did not learn: loss {loss.item():.3f} after {steps} steps")
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    (tmp / "sft.json").write_text(json.dumps({"base": str(base), "steps": step, "loss": loss.item()}))
-    tmp.rename(out)
-    return out
+    return save_tuned(model, tokenizer, out, {"base": str(base), "steps": step, "loss": loss.item()})
 
 

@@ -65,11 +65,16 @@ def build_tool_model(base: Path, out: Path, steps: int = 800, lr: float = 3e-3, 
     else:
         raise AssertionError(f"the tool model did not learn its conversation: loss {loss.item():.3f} after {steps} "
                              f"steps (lr {lr}), above {loss_below}")
+    return save_tuned(model, tokenizer, out, {"base": str(base), "steps": step, "loss": loss.item()})
+
+
+def save_tuned(model, tokenizer, out: Path, sft: dict) -> Path:
+    """A tuned model at `out`, whole or not at all (written beside it, then renamed)."""
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    (tmp / "sft.json").write_text(json.dumps({"base": str(base), "steps": step, "loss": loss.item()}))
+    (tmp / "sft.json").write_text(json.dumps(sft))
     tmp.rename(out)
     return out
 

@@ -192,6 +192,13 @@ class AgentEndpoint:
         if not isinstance(body, dict):
             raise Refused(400, "body", f"must be a JSON object, got {type(body).__name__}")
         episode_id = self._episode_id(request, body)
+        conv = self.conversation(episode_id, kind)
+        self._check_fields(body, known)
+        return episode_id, conv, body
+
+    def conversation(self, episode_id: str, kind: str) -> _Conversation:
+        """The open episode a call of `kind` may go on with: 404 unknown or closed, 409 busy or
+        failed, 400 of another kind."""
         conv = self._open.get(episode_id)
         if conv is None:
             raise Refused(404, "episode", f"no open episode {episode_id!r} (never opened, or closed: its agent "
@@ -202,8 +209,7 @@ class AgentEndpoint:
             raise Refused(400, "episode", f"episode {episode_id!r} is a {conv.kind} episode: one kind per episode")
         if conv.failure is not None:
             raise Refused(409, "episode", f"episode {episode_id!r} failed: {conv.failure}")
-        self._check_fields(body, known)
-        return episode_id, conv, body
+        return conv
 
     def _episode_id(self, request, body: dict) -> str:
         """The episode a call names: by its path (`/e/{episode}/...`), the header or the body

@@ -82,17 +82,7 @@ class TokenRoute:
 
     # -- the request -------------------------------------------------------------------------------
     def _conversation(self, episode_id: str) -> _Conversation:
-        conv = self.endpoint._open.get(episode_id)
-        if conv is None:
-            raise Refused(404, "episode", f"no open episode {episode_id!r} (never opened, or closed: its agent "
-                                          "ran past its end)")
-        if conv.busy:
-            raise Refused(409, "episode", f"episode {episode_id!r} has a call in flight: its calls go one at a time")
-        if conv.kind not in (None, KIND):
-            raise Refused(400, "episode", f"episode {episode_id!r} is a {conv.kind} episode: one kind per episode")
-        if conv.failure is not None:
-            raise Refused(409, "episode", f"episode {episode_id!r} failed: {conv.failure}")
-        return conv
+        return self.endpoint.conversation(episode_id, KIND)
 
     def _token_ids(self, value) -> list[int]:
         if not isinstance(value, list) or not value:
