@@ -144,7 +144,11 @@ max_prompts = 8
     kinds = {r.status.kind for r in errored}
     assert {"reward_error", "reward_timeout"} <= kinds, kinds
     assert any("tripped on" in r.status.message for r in errored if r.status.kind == "reward_error")
-    assert stats["errored_by_kind"]["reward_error"] >= 8
+    # Both rows marked "raise" errored (how many of a group's samples are scored before the group
+    # fails after its retries depends on timing: 3 to 8 each), and stats count what the log holds.
+    raised = [r for r in errored if r.status.kind == "reward_error"]
+    assert len({r.status.message for r in raised}) == 2, sorted({r.status.message for r in raised})
+    assert stats["errored_by_kind"]["reward_error"] == len(raised)
 
     # Evaluation: due at the configured versions, beside activations (each record names the
     # versions of its tokens: tests/integration/test_eval_run.py), never trained on.
