@@ -38,6 +38,17 @@ async def served(endpoint: AgentEndpoint, run_dir: Path):
         await task
 
 
+@contextlib.asynccontextmanager
+async def served_checking_defaults(renderer, run_dir: Path):
+    """(endpoint, base URL) of a served endpoint whose sampling check is the run's defaults."""
+    from orchestrator.tasks.agent import sampling_checker
+    from replay.records import SamplingSettings
+
+    endpoint = AgentEndpoint(renderer, token=TOKEN, sampling_check=sampling_checker(SamplingSettings()))
+    async with served(endpoint, run_dir) as url:
+        yield endpoint, url
+
+
 class Script:
     """A sampler replying with each text in turn (tokenized, plus the stop token when `stop`;
     `chars`: a token per character);

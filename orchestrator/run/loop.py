@@ -22,6 +22,7 @@ import numpy as np
 
 from orchestrator.observe.logging import get_logger
 from orchestrator.observe.progress import StepLine
+from orchestrator.run.activator import run_activator
 from orchestrator.run.episodes import episode_rollout
 from orchestrator.run.eval import run_evaluations
 from orchestrator.run.fleet_keeper import FleetKeeper
@@ -86,7 +87,7 @@ class RunLoop:
         async with anyio.create_task_group() as tg:
             self._tg = tg
             tg.start_soon(self._trainer_messages)
-            tg.start_soon(self._activator)
+            tg.start_soon(run_activator, self)
             tg.start_soon(watch_loop_lag, self.run.metrics)
             tg.start_soon(self._dispatcher)
             tg.start_soon(watch_progress, self)
@@ -440,54 +441,6 @@ class RunLoop:
                 self.run.recorder.submit(DiscardRecord(rollout_ids=list(a.rollout_ids), reason=a.reason,
                                                        step=a.step, at=time.time()))
         self.lost_batches.clear()
-
-    # -- activation ----------------------------------------------------------------------------
-    async def _activator(self) -> None:
-        """Activates the newest published version; a failed one is retried (newest wins), up to
-        `activation.max_failures` in a row: then the run stops with the cause. Meanwhile
-        `activation_failing` names the last failure (/healthz reports the run degraded)."""
-        fleet = self.run.fleet
-        failures = 0
-        self.activation_failing: str | None = None
-        while True:
-            await self._version_wanted.wait()
-            self._version_wanted = anyio.Event()
-            version = self.wanted_version
-            if version <= fleet.live_version:
-                continue
-            async with self.activation_lock:  # never in the middle of a rejoin
-                record = await fleet.activate(version)
-            self.run.record_activation(record)
-            for eo in record.engines:
-                if eo.outcome == "engine_fenced":
-                    self.handle(sch.EngineDown(engine=eo.engine))
-            self._engines_fenced()  # also those fenced by a rolled-back activation
-            if record.outcome in ("activated", "engine_fenced"):
-                failures = 0
-                self.activation_failing = None
-                self.run.metrics.live_version.set(version)
-                self.run.progress.state.live_version = version
-                self.run.progress.state.last_activation = (
-                    f"v{version} {record.outcome} "
-                    f"(pause {max((e.pause_s for e in record.engines), default=0):.3f}s)")
-                self.handle(sch.VersionLive(version=version, at=time.monotonic()))
-                self.eval_wanted.set()
-            else:
-                failures += 1
-                log.warning("activation.failed", version=version, outcome=record.outcome, message=record.message)
-                if not fleet.coordinator.serving:
-                    self.request_stop("no engine serves", failure="every engine is fenced")
-                    return
-                cause = " | ".join(line.strip() for line in (record.message or "").splitlines() if line.strip())
-                self.activation_failing = f"version {version} {record.outcome}: {cause or 'no message'}"
-                limit = self.run.config.activation.max_failures
-                if failures >= limit:
-                    self.request_stop("activation failing", failure=(
-                        f"activation failed {failures} times in a row (activation.max_failures = {limit}); "
-                        f"last: {self.activation_failing}"))
-                    return
-                await anyio.sleep(min(30.0, 0.5 * 2 ** failures))
-                self._version_wanted.set()  # retry: the newest version wanted then
 
     # -- stopping ------------------------------------------------------------------------------
     async def _shutdown(self) -> None:

@@ -31,6 +31,7 @@ from orchestrator.observe.logging import get_logger
 from orchestrator.observe.progress import Progress, ProgressState, summary
 from orchestrator.run.live import run_health
 from orchestrator.run.preflight import check_model_paths, finished_steps
+from orchestrator.run.restore import restore
 from orchestrator.run.startup import StartupClock
 from orchestrator.scheduling import scheduler as sch
 from transports.engine_signals import ENGINE_CHILD_ENV
@@ -299,7 +300,7 @@ class Run:
             else:
                 await probe_targets(self.engines, model_dir, config.trainer.lora, self.run_dir)
         with self.startup.phase("restore"):
-            restored = await self._restore(ready)
+            restored = await restore(self, ready)
             if ready.version > 0:  # resumed: serve the newest published weights before any rollout
                 record = await self.fleet.activate(ready.version)
                 self.record_activation(record)
@@ -342,61 +343,6 @@ class Run:
         """A dataset read for a set number of epochs has that many prompts (groups)."""
         rows, epochs = self.task.rows, self.config.task.epochs
         return rows * epochs if rows is not None and epochs is not None else None
-
-    def _config_as_run(self) -> dict:
-        """The config as the run uses it, for run_meta: the activation the fleet performs (a LoRA
-        run's is "adapter", whatever the file says) and each engine's settings after what
-        [trainer.lora], [fleet] and [cluster] set on them (`engines_as_run`)."""
-        config = msgspec.to_builtins(self.config)
-        config["activation"] = {**config["activation"], "strategy": self.fleet.strategy,
-                                "kv_policy": self.fleet.coordinator.kv_policy}
-        config["engines_as_run"] = [{"id": engine_id, **msgspec.to_builtins(engine)}
-                                    for engine_id, engine in self.config.engine_configs()]
-        return config
-
-    async def _restore(self, ready):
-        """A fresh run writes its meta record; a resumed one reconciles log, journal and trainer."""
-        from orchestrator.run.records import consumption_record, crashed_record
-        from orchestrator.run.resume import ResumeState, load_resume_state
-        from replay.log import read_records
-        from replay.records import RunMetaRecord
-
-        meta = RunMetaRecord(run_id=self.run_id, created_at=time.time(), identity=self.identity,
-                             config={**self._config_as_run(), "resumed": self.resume,
-                                     "model_dir": str(Path(self.config.engine.model).resolve())})
-        if not self.resume:
-            self.recorder.submit(meta)
-            return ResumeState()
-        records = await anyio.to_thread.run_sync(lambda: list(read_records(self.run_dir)))
-        self.recorder.preload(records)
-        self.recorder.submit(meta)
-        state = load_resume_state(self.run_dir, records)
-        missing = self._missed_consumptions(state, ready.step)
-        for message in missing:
-            record = consumption_record(message)
-            self.recorder.submit(record)
-            records.append(record)
-        if missing:
-            state = load_resume_state(self.run_dir, records)
-        for entry in state.lost:
-            prompt = await self.task.prompt(entry.group_id)
-            self.recorder.submit(crashed_record(entry, prompt, identity=self.identity, sampling=self.sampling))
-        self.loop.restore_completed(state.records)
-        log.info("run.resumed", step=ready.step, version=ready.version, lost=len(state.lost),
-                 restored_groups=len(state.restored), recovered_consumptions=len(missing))
-        return state
-
-    def _missed_consumptions(self, state, trainer_step: int) -> list:
-        """Steps the trainer finished after the orchestrator died: their consumption is in the
-        trainer's checkpoint or journal entry (written before the version is published)."""
-        from orchestrator.trainer.step_journal import consumption_of
-
-        out = []
-        for step in range(max(state.consumed_steps, default=0) + 1, trainer_step + 1):
-            message = consumption_of(self.run_dir, step)
-            if message is not None:
-                out.append(message)
-        return out
 
     def record_activation(self, record) -> None:
         from replay.records import ActivationRecord, EngineActivation

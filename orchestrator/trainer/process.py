@@ -56,7 +56,7 @@ from orchestrator.trainer.orphan import Orphan
 from orchestrator.trainer.placement import pin, published_dtype, trainer_device  # noqa: F401 - pin re-exported
 from orchestrator.trainer.publish import Publisher
 from orchestrator.trainer.publish_adapter import AdapterPublisher
-from orchestrator.trainer.ranks import Ranks, init_group, shard, share
+from orchestrator.trainer.ranks import Ranks, init_group, leave_group, shard, share
 from orchestrator.trainer.step import StepResult, train_step, train_step_sharded  # noqa: F401 - re-exported
 
 log = get_logger("orchestrator.trainer")
@@ -70,8 +70,6 @@ ORPHANED = "orphaned"
 # (and published) this step, before its StepDone reaches the orchestrator.
 CRASH_AFTER_CHECKPOINT = "INFLIGHT_FAULT_TRAINER_EXIT_AFTER_STEP"
 CRASH_EXIT_CODE = 17
-# How long ranks that end together wait for each other before tearing the group down.
-LEAVE_TIMEOUT_S = 30.0
 # How long a trainer that ends lets a background checkpoint under way finish (the journal makes
 # up for one cut short).
 WRITER_CLOSE_TIMEOUT_S = 60.0
@@ -411,28 +409,6 @@ def follow(trainer: Trainer) -> int:
             return 0
         if isinstance(msg, Batch):
             trainer.handle(msg)
-
-
-def leave_group(together: bool, timeout_s: float = LEAVE_TIMEOUT_S) -> None:
-    """Tear the process group down. Ranks that end together first wait for each other
-    (bounded), so that no rank tears its gloo group down while another still uses it: without
-    this wait, a clean stop once failed in CI with rank 1 aborted at exit ("terminate called
-    without an active exception", SIGABRT) while rank 0 was still cleaning up; it was seen once
-    in about ten runs and not reproduced, so this is the likely cause, not a proven one. A rank
-    that failed alone does not wait: the others may never come."""
-    import datetime
-
-    import torch.distributed as dist
-
-    if together:
-        try:
-            if dist.get_backend() == "gloo":
-                dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout_s))
-            else:
-                dist.barrier()  # NCCL: written, not yet run on a GPU
-        except Exception as exc:  # noqa: BLE001 - a rank gone at the end: tear down all the same
-            log.warning("trainer.leave_barrier_failed", error=str(exc))
-    dist.destroy_process_group()
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

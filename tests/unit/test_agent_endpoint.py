@@ -25,7 +25,7 @@ from orchestrator.tasks.env import DONE, MAX_EPISODE_TOKENS, Environment, run_ep
 from orchestrator.tasks.turns import TurnRenderer
 from orchestrator.tasks.user_code import UserCode
 from replay.records import SamplingSettings
-from tests.agent_helpers import LOGPROB, TOKEN, Script, assistant, chat, client, served, user
+from tests.agent_helpers import LOGPROB, TOKEN, Script, assistant, chat, client, served, served_checking_defaults, user
 
 @pytest.fixture(scope="module")
 def renderer(tiny_model_dir):
@@ -35,9 +35,8 @@ def renderer(tiny_model_dir):
 @pytest.fixture
 async def live(renderer, tmp_path):
     """(endpoint, base URL) of a served endpoint checking sampling against the defaults."""
-    endpoint = AgentEndpoint(renderer, token=TOKEN, sampling_check=sampling_checker(SamplingSettings()))
-    async with served(endpoint, tmp_path) as url:
-        yield endpoint, url
+    async with served_checking_defaults(renderer, tmp_path) as live:
+        yield live
 
 
 # -- token in, token out ---------------------------------------------------------------------------

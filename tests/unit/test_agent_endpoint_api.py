@@ -10,11 +10,10 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from orchestrator.tasks.agent import AgentEpisodes, sampling_checker
-from orchestrator.tasks.agent_endpoint import EPISODE_HEADER, AgentEndpoint
+from orchestrator.tasks.agent import AgentEpisodes
+from orchestrator.tasks.agent_endpoint import EPISODE_HEADER
 from orchestrator.tasks.turns import TurnRenderer
-from replay.records import SamplingSettings
-from tests.agent_helpers import LOGPROB, TOKEN, Script, assistant, chat, client, served, user
+from tests.agent_helpers import LOGPROB, TOKEN, Script, assistant, chat, client, served_checking_defaults, user
 from tests.framework_agents import CALL, INSTRUCTIONS, QUESTION, langchain_agent, sdk_agent, sdk_streamed_agent
 
 ADD = {"type": "function", "name": "add", "description": "Add two integers.", "parameters": {
@@ -30,9 +29,8 @@ def renderer(tiny_model_dir):
 
 @pytest.fixture
 async def live(renderer, tmp_path):
-    endpoint = AgentEndpoint(renderer, token=TOKEN, sampling_check=sampling_checker(SamplingSettings()))
-    async with served(endpoint, tmp_path) as url:
-        yield endpoint, url
+    async with served_checking_defaults(renderer, tmp_path) as live:
+        yield live
 
 
 def at(url: str, eid: str, **headers) -> openai.AsyncOpenAI:

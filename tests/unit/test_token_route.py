@@ -11,11 +11,9 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from orchestrator.tasks.agent import sampling_checker
-from orchestrator.tasks.agent_endpoint import EPISODE_HEADER, AgentEndpoint
+from orchestrator.tasks.agent_endpoint import EPISODE_HEADER
 from orchestrator.tasks.turns import TurnRenderer
-from replay.records import SamplingSettings
-from tests.agent_helpers import LOGPROB, TOKEN, Script, served, user
+from tests.agent_helpers import LOGPROB, TOKEN, Script, served_checking_defaults, user
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
@@ -28,8 +26,8 @@ def renderer(tiny_model_dir):
 @pytest.fixture
 async def live(renderer, tmp_path):
     """(endpoint, base URL, raw client with the token) of a served endpoint."""
-    endpoint = AgentEndpoint(renderer, token=TOKEN, sampling_check=sampling_checker(SamplingSettings()))
-    async with served(endpoint, tmp_path) as url, httpx.AsyncClient(base_url=url, headers=AUTH) as raw:
+    async with served_checking_defaults(renderer, tmp_path) as (endpoint, url), \
+            httpx.AsyncClient(base_url=url, headers=AUTH) as raw:
         yield endpoint, url, raw
 
 
