@@ -220,6 +220,8 @@ async def rejoin_fenced(loop, probe_s: float = REJOIN_PROBE_S) -> None:
     while True:
         await anyio.sleep(probe_s)
         for engine_id in sorted(fleet.coordinator.fenced):
+            if engine_id in loop.keeper.busy:  # joining (`bring_in` brings it in), or leaving for good
+                continue
             engine = fleet.engines[engine_id]
             if not await engine.answers_again():
                 continue

@@ -44,15 +44,18 @@ class Scenario:
     def __init__(self) -> None:
         self.facts: dict = {}
         self.errors: dict[str, str] = {}
+        self.seconds: dict[str, float] = {}  # each phase's wall time (printed with -s)
 
     def phase(self, name: str):
         scenario = self
 
         class Phase:
             def __enter__(self):
+                self.started = time.monotonic()
                 return self
 
             def __exit__(self, kind, exc, tb):
+                scenario.seconds[name] = round(time.monotonic() - self.started, 1)
                 if exc is not None and not isinstance(exc, KeyboardInterrupt):
                     import traceback
 
@@ -190,6 +193,7 @@ def scenario(tmp_path_factory, rl_model):
         s.facts["cleanup"] = dict(namespaces=sorted(names & set(listed)),
                                   processes=[p for p in pids if Path(f"/proc/{p}").exists()],
                                   scratch=Path(scratch).exists())
+    print(f"\nscenario phases (s): {s.seconds}")
     yield s
 
 
