@@ -146,7 +146,7 @@ async def replace_lost(loop, tg, probe_s: float = REPLACE_PROBE_S) -> None:
         except Exception as exc:  # noqa: BLE001 - the cluster did not answer: ask again next time
             log.warning("fleet.placement_unknown", error=f"{type(exc).__name__}: {exc}")
             continue
-        for index in bundles_to_fill(replace=True, stopping=loop.stop_requested.is_set(), free=side.free,
+        for index in bundles_to_fill(replace=loop.run.config.fleet.replace, stopping=loop.stop_requested.is_set(), free=side.free,
                                      placing=side.placing, placed=placed, alive=alive):
             side.placing.add(index)
             tg.start_soon(place_in, loop, tg, index, alive.get(placed[index], ""))

@@ -11,7 +11,8 @@ decides when, tells the scheduler, and answers the run's HTTP control routes.
   activation includes it, its rollouts finish (past `fleet.drain_s` they are aborted, recorded
   and sampled again elsewhere), then it leaves.
 - Lost: with `fleet.replace`, an engine the run started is replaced by a new one of the same
-  settings, which joins as above (a Ray-placed one: `orchestrator.run.cluster.replace_lost`). A fenced server that answers again comes back the same way.
+  settings, which joins as above (a Ray-placed one: `orchestrator.run.cluster.replace_lost`). A
+  fenced server that answers again comes back the same way.
 - `fleet.min_engines`: below it the scheduler admits no new group; /healthz and the display say
   why; after `fleet.min_engines_wait_s` the run stops with exit 2 and one line.
 

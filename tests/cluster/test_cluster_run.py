@@ -193,7 +193,8 @@ def scenario(tmp_path_factory, rl_model):
         s.facts["cleanup"] = dict(namespaces=sorted(names & set(listed)),
                                   processes=[p for p in pids if Path(f"/proc/{p}").exists()],
                                   scratch=Path(scratch).exists())
-    print(f"\nscenario phases (s): {s.seconds}")
+    print(f"\nscenario phases (s): {s.seconds}; the replacement's (s): "
+          f"{s.facts.get('engine_host_replaced', {}).get('seconds')}")
     yield s
 
 
