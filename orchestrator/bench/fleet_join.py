@@ -2,7 +2,7 @@
 
 The real `RunLoop` and its fleet keeper drive 16 fake engines (`fake_engine` of
 `orchestrator/bench/orchestrator.py`, paced like a real engine's stream) at 256 rollouts in
-flight; a 17th joins the way `inflight fleet add` brings one in (`FleetKeeper._enter`: into the
+flight; a 17th joins the way `inflight fleet add` brings one in (`FleetKeeper.enter`: into the
 fleet fenced, the live version staged beside the others' generation, the switch under the
 activation lock, then rollouts). The joiner's staging RPCs (stage, status) take JOIN_RPC_S each
 (its transfer: about half a trainer step of STEP_S), so the catch-up is long enough to watch the
@@ -67,7 +67,7 @@ async def join_to_first_rollout(run_cls, make_engine, engines: int = ENGINES, co
                 joiner = make_engine(f"fake-{engines}", chunk_delay_s=CHUNK_DELAY_S, swap_delay_s=JOIN_RPC_S,
                                      delayed=("swap_stage", "swap_status"))
                 started = time.perf_counter()
-                answer = await loop.keeper._enter(joiner, source="bench")
+                answer = await loop.keeper.enter(joiner, source="bench")
                 serving_at = time.perf_counter()
                 with anyio.fail_after(300):
                     while not any(engine == joiner.engine_id for _, engine in finished):

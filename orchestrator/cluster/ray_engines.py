@@ -32,7 +32,7 @@ from pathlib import Path
 import anyio
 import msgspec
 
-from orchestrator.cluster.placement import actor_in, bundle_of, kill_actor, release, reserve
+from orchestrator.cluster.placement import actor_in, bundle_nodes, bundle_of, kill_actor, release, reserve
 from orchestrator.config.cluster import ClusterConfig
 from orchestrator.config.run import EngineConfig
 from orchestrator.engines.process_group import terminate_process_group
@@ -158,11 +158,13 @@ class EngineHost:
 class RayServerEngine(ServerEngine):
     """A server engine whose process an `EngineHost` actor starts on a Ray node."""
 
-    def __init__(self, config: EngineConfig, engine_id: str, actor) -> None:
+    def __init__(self, config: EngineConfig, engine_id: str, actor, bundle: int | None = None) -> None:
         super().__init__(config, engine_id)
         self.actor = actor
+        self.bundle = bundle  # its bundle in the engines' placement group: where a replacement goes
         self.node: dict = {}
         self._gone: str | None = None
+        self.lost_for_good: str | None = None  # its actor, node or server died: it never answers again
 
     async def _launch(self) -> None:
         info = await self._call(self.actor.start.remote(msgspec.json.encode(self.config)),
@@ -214,8 +216,9 @@ class RayServerEngine(ServerEngine):
             code = await self._exit_code()
             if code is not None:
                 self._dead = True
-                await on_lost(self.engine_id, f"its Ray actor died ({self._gone})" if self._gone
-                              else f"its server exited with code {code}")
+                self.lost_for_good = (f"its Ray actor died ({self._gone})" if self._gone
+                                      else f"its server exited with code {code}")
+                await on_lost(self.engine_id, self.lost_for_good)
                 return
             if await self._answers():
                 last_seen, reported = time.monotonic(), False
@@ -278,9 +281,19 @@ class RayPlacement:
         bundle = bundle_of(engines.resources, engines.node_resource)
         self.group = reserve(f"inflight-{self.run_id}", bundle, len(engine_configs), engines.strategy,
                              self.config.start_timeout_s, "engine(s)")
-        return [RayServerEngine(config, engine_id, actor_in(EngineHost, self.group, index, bundle, engine_id)
-                                .remote(engine_id))
-                for index, (engine_id, config) in enumerate(engine_configs)]
+        return [self.engine_in(index, engine_id, config) for index, (engine_id, config) in enumerate(engine_configs)]
+
+    def engine_in(self, index: int, engine_id: str, config: EngineConfig) -> RayServerEngine:
+        """An engine whose actor Ray creates in bundle `index` of the group (at start, or in the bundle
+        of a lost engine, which Ray placed again on a node that joined)."""
+        engines = self.config.engines
+        bundle = bundle_of(engines.resources, engines.node_resource)
+        actor = actor_in(EngineHost, self.group, index, bundle, engine_id).remote(engine_id)
+        return RayServerEngine(config, engine_id, actor, bundle=index)
+
+    def bundle_nodes(self) -> tuple[dict[int, str], dict[str, str]]:
+        """({bundle index: node id} of the engines' group, {alive node id: address}), bounded in time."""
+        return within(CALL_TIMEOUT_S, lambda: bundle_nodes(self.group))
 
     def close(self) -> None:
         """Release the placement group and leave the cluster (never stops the cluster itself)."""

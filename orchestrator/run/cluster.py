@@ -11,6 +11,10 @@ differently when the engines live on other hosts.
   by Ray (`orchestrator.cluster.ray_trainer`); a lost trainer node stops the run by name.
 - A fenced engine that answers again (its host's link came back) rejoins at the live version
   before it gets another rollout (`rejoin_fenced`).
+- With `fleet.replace`, an engine lost for good (its actor, node or server died) leaves the fleet
+  and frees its bundle of the placement group; when Ray places that bundle on a node that is alive
+  (a node that joined offering the engine resource, or one with room), a new engine is started
+  there and joins as any joiner: at the live version first, then rollouts (`replace_lost`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from orchestrator.scheduling import scheduler as sch
 
 log = get_logger(__name__)
 REJOIN_PROBE_S = 5.0  # how often fenced engines are asked whether they answer again
+REPLACE_PROBE_S = 3.0  # how often lost engines and the placement group's bundles are looked at
+REPLACE_ATTEMPTS = 3  # failed starts in one bundle before it is given up (named in the log)
 
 
 class ClusterSide:
@@ -41,6 +47,9 @@ class ClusterSide:
         self.trainer_nodes = TrainerNodes(config, run_id) if config.trainer.nodes > 1 else None
         self.token = secrets.token_urlsafe(24)  # the weight server's: handed to engine workers only
         self.engines: list = []
+        self.free: dict[int, tuple[str, object]] = {}  # bundle -> (the lost engine's id, its config)
+        self.placing: set[int] = set()  # bundles a new engine is being started in
+        self.attempts: dict[int, int] = {}  # failed starts per bundle
 
     def rendezvous(self):
         """Node 0's rendezvous for a trainer over several hosts (None: the trainer is this host's)."""
@@ -113,6 +122,95 @@ async def watch_engines(loop) -> None:
         if side.trainer_nodes is not None:
             tg.start_soon(side.trainer_nodes.watch, trainer_node_lost)
         tg.start_soon(rejoin_fenced, loop)
+        if loop.run.config.fleet.replace:
+            tg.start_soon(replace_lost, loop, tg)
+
+
+async def replace_lost(loop, tg, probe_s: float = REPLACE_PROBE_S) -> None:
+    """`fleet.replace` on a Ray cluster: every `probe_s`, each engine lost for good leaves the fleet
+    (`retire`), and a new engine is placed in each free bundle that Ray has placed on a live node
+    (`bundles_to_fill`; `place_in`, in `tg`, which also watches it)."""
+    from orchestrator.cluster.placement import bundles_to_fill
+
+    side: ClusterSide = loop.run.cluster
+    while True:
+        await anyio.sleep(probe_s)
+        for engine_id, engine in list(loop.run.fleet.engines.items()):
+            if (getattr(engine, "lost_for_good", None) and engine_id in loop.run.fleet.coordinator.fenced
+                    and engine_id not in loop.keeper.busy):  # fenced first (`engine_lost`), then out
+                await retire(loop, engine_id)
+        if not side.free or loop.stop_requested.is_set():
+            continue
+        try:
+            placed, alive = await anyio.to_thread.run_sync(side.placement.bundle_nodes)
+        except Exception as exc:  # noqa: BLE001 - the cluster did not answer: ask again next time
+            log.warning("fleet.placement_unknown", error=f"{type(exc).__name__}: {exc}")
+            continue
+        for index in bundles_to_fill(replace=loop.run.config.fleet.replace, stopping=loop.stop_requested.is_set(), free=side.free,
+                                     placing=side.placing, placed=placed, alive=alive):
+            side.placing.add(index)
+            tg.start_soon(place_in, loop, tg, index, alive.get(placed[index], ""))
+
+
+async def retire(loop, engine_id: str) -> None:
+    """A Ray engine lost for good leaves the fleet (`lost`); its actor is ended, which frees its
+    bundle: Ray places that bundle again (on a live node with room, or one that joins)."""
+    side: ClusterSide = loop.run.cluster
+    keeper, fleet = loop.keeper, loop.run.fleet
+    keeper.busy.add(engine_id)
+    try:
+        engine = fleet.engines[engine_id]
+        await fleet.remove(engine_id, "lost", engine.lost_for_good)
+        loop.handle(sch.EngineLeft(engine=engine_id))
+        await keeper.close(engine)
+        if engine in side.engines:
+            side.engines.remove(engine)
+        side.free[engine.bundle] = (engine_id, engine.config)
+        keeper.log_states()
+        log.info("fleet.bundle_free", engine=engine_id, bundle=engine.bundle, why=engine.lost_for_good)
+    finally:
+        keeper.busy.discard(engine_id)
+
+
+async def place_in(loop, tg, index: int, node_ip: str) -> None:
+    """Start a new engine in bundle `index` (on `node_ip`, where Ray placed it) and bring it in as any
+    joiner (`FleetKeeper.enter`: the live version first, then rollouts); then watch it. A start that
+    fails leaves the bundle free for the next probe, at most `REPLACE_ATTEMPTS` times."""
+    side: ClusterSide = loop.run.cluster
+    keeper, fleet = loop.keeper, loop.run.fleet
+    replaced, config = side.free[index]
+    engine_id = fleet.new_engine_id(reserved=keeper.busy)
+    keeper.busy.add(engine_id)
+    keeper.replacing += 1
+    engine = None
+    try:
+        log.info("fleet.replacing", engine=replaced, replacement=engine_id, bundle=index, node_ip=node_ip)
+        engine = await anyio.to_thread.run_sync(side.placement.engine_in, index, engine_id, config)
+        try:
+            await engine.start()
+            await keeper.enter(engine, source=f"replacement of {replaced}")
+        except Exception as exc:  # noqa: BLE001 - named, and tried again while attempts are left
+            side.attempts[index] = side.attempts.get(index, 0) + 1
+            log.warning("fleet.replacement_failed", engine=replaced, replacement=engine_id, bundle=index,
+                        attempt=side.attempts[index], error=str(exc))
+            await keeper.close(engine)
+            if side.attempts[index] >= REPLACE_ATTEMPTS:
+                side.free.pop(index, None)
+                log.warning("fleet.replacement_given_up", engine=replaced, bundle=index, attempts=REPLACE_ATTEMPTS)
+            return
+        side.free.pop(index, None)
+        side.attempts.pop(index, None)
+        side.engines.append(engine)
+        tg.start_soon(engine.watch, loop.engine_lost, side.config.unreachable_s)
+    except BaseException:
+        if engine is not None and engine_id not in fleet.members:  # cancelled while it started
+            await keeper.close(engine)
+        raise
+    finally:
+        side.placing.discard(index)
+        keeper.busy.discard(engine_id)
+        keeper.replacing -= 1
+        loop.check_serving()
 
 
 async def rejoin_fenced(loop, probe_s: float = REJOIN_PROBE_S) -> None:
@@ -122,6 +220,8 @@ async def rejoin_fenced(loop, probe_s: float = REJOIN_PROBE_S) -> None:
     while True:
         await anyio.sleep(probe_s)
         for engine_id in sorted(fleet.coordinator.fenced):
+            if engine_id in loop.keeper.busy:  # joining (`bring_in` brings it in), or leaving for good
+                continue
             engine = fleet.engines[engine_id]
             if not await engine.answers_again():
                 continue

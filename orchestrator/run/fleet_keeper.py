@@ -11,7 +11,8 @@ decides when, tells the scheduler, and answers the run's HTTP control routes.
   activation includes it, its rollouts finish (past `fleet.drain_s` they are aborted, recorded
   and sampled again elsewhere), then it leaves.
 - Lost: with `fleet.replace`, an engine the run started is replaced by a new one of the same
-  settings, which joins as above. A fenced server that answers again comes back the same way.
+  settings, which joins as above (a Ray-placed one: `orchestrator.run.cluster.replace_lost`). A
+  fenced server that answers again comes back the same way.
 - `fleet.min_engines`: below it the scheduler admits no new group; /healthz and the display say
   why; after `fleet.min_engines_wait_s` the run stops with exit 2 and one line.
 
@@ -203,10 +204,10 @@ class FleetKeeper:
             except Exception as exc:  # noqa: BLE001 - not reachable, not a vLLM server
                 await engine.shutdown()
                 raise FleetRefused(502, "url", f"{engine_id} at {url} did not start: {exc}") from None
-            return await self._enter(engine, source="fleet add")
+            return await self.enter(engine, source="fleet add")
         except BaseException:
             if engine_id not in self.fleet.members:  # cancelled before it joined: nothing else holds it
-                await self._close(engine)
+                await self.close(engine)
             raise
 
     async def _expected_identity(self) -> dict | None:
@@ -219,7 +220,7 @@ class FleetKeeper:
                 log.warning("fleet.identity_failed", engine=engine_id, error=str(exc))
         return None
 
-    async def _enter(self, engine, *, source: str) -> dict:
+    async def enter(self, engine, *, source: str) -> dict:
         """A started engine: into the fleet, to the live version, then offered rollouts."""
         engine_id = engine.engine_id
         self.fleet.add(engine, source=source)
@@ -232,7 +233,7 @@ class FleetKeeper:
             log.warning("fleet.join_failed", engine=engine_id, error=str(exc))
         if not ok:
             await self.fleet.remove(engine_id, "refused", "could not be brought to the live version")
-            await self._close(engine)
+            await self.close(engine)
             self.log_states()
             raise FleetRefused(502, engine_id, "could not be brought to the live version (see orchestrator.jsonl)")
         config = getattr(engine, "config", None)
@@ -267,7 +268,7 @@ class FleetKeeper:
                                                               if aborted else ""))
             self.loop.handle(sch.EngineLeft(engine=engine_id))
             if engine is not None:
-                await self._close(engine)
+                await self.close(engine)
             self.log_states()
             log.info("fleet.left", engine=engine_id, aborted=aborted, why=why)
             self.loop.check_serving()
@@ -297,7 +298,8 @@ class FleetKeeper:
     # -- lost --------------------------------------------------------------------------------
     def engine_lost(self, engine_id: str, why: str) -> None:
         """The fleet fenced `engine_id` as dead. With `fleet.replace`, one the run started is
-        replaced (the dead one leaves for good)."""
+        replaced (the dead one leaves for good); on a Ray cluster by `run.cluster.replace_lost`,
+        in its bundle of the placement group, once Ray has a node for it."""
         self.log_states()
         engine = self.fleet.engines.get(engine_id)
         if (not self.config.replace or engine is None or engine_id in self.busy or self._tg is None
@@ -314,7 +316,7 @@ class FleetKeeper:
             old = self.fleet.engines[engine_id]
             await self.fleet.remove(engine_id, "lost", why)
             self.loop.handle(sch.EngineLeft(engine=engine_id))
-            await self._close(old)
+            await self.close(old)
             self.log_states()
             for attempt in range(1, REPLACE_ATTEMPTS + 1):
                 new = make_engine(old.config, self.fleet.new_engine_id(reserved=self.busy), log_dir=self.run.run_dir)
@@ -322,16 +324,16 @@ class FleetKeeper:
                 log.info("fleet.replacing", engine=engine_id, replacement=new.engine_id, attempt=attempt)
                 try:
                     await new.start()
-                    await self._enter(new, source=f"replacement of {engine_id}")
+                    await self.enter(new, source=f"replacement of {engine_id}")
                     return
                 except Exception as exc:  # noqa: BLE001 - try again, then give up by name
                     log.warning("fleet.replacement_failed", engine=engine_id, replacement=new.engine_id,
                                 attempt=attempt, error=str(exc))
-                    await self._close(new)
+                    await self.close(new)
                     await anyio.sleep(min(30.0, 2.0 ** attempt))
                 except BaseException:
                     if new.engine_id not in self.fleet.members:  # cancelled while it started
-                        await self._close(new)
+                        await self.close(new)
                     raise
                 finally:
                     self.busy.discard(new.engine_id)
@@ -435,7 +437,7 @@ class FleetKeeper:
                     f"see {self._log_path}"))
                 return
 
-    async def _close(self, engine) -> None:
+    async def close(self, engine) -> None:
         with anyio.CancelScope(shield=True), anyio.move_on_after(60):
             try:
                 await engine.shutdown()

@@ -6,11 +6,14 @@ what a CPU affords):
   host 1, host 2: one vLLM server engine each (Ray resource "engine")
   host 3: trainer node 1 (Ray resource "trainer"): FSDP2 over gloo across hosts 0 and 3
 
-The scenario, in order: ten steps; host 2's link cut (its engine fenced, the run goes on) and restored
-(the engine rejoins at the live version, then serves); host 1 killed (Ray's node death: the engine is
-lost, the run goes on with one); host 3 killed (the trainer node: the run stops, one named line, exit 2);
-hosts 1 and 3 back, `--resume` (continues exactly once) and the orchestrator SIGKILLed mid-run (within
-30 s nothing of the run is left on any host, its placement groups released); `--resume` to the end.
+The scenario, in order (the run has `fleet.replace = true`): ten steps; host 2's link cut (its engine
+fenced, the run goes on) and restored (the engine rejoins at the live version, then serves; a cut link
+is not a loss, nothing is replaced); host 1 killed (Ray's node death: the engine is lost, the run goes on
+with one); host 1 back, its Ray node joins offering the engine resource: Ray places the lost engine's
+bundle there and the run starts a replacement in it, which joins at the live version and serves; host 3
+killed (the trainer node: the run stops, one named line, exit 2); host 3 back, `--resume` (continues
+exactly once) and the orchestrator SIGKILLed mid-run (within 30 s nothing of the run is left on any
+host, its placement groups released); `--resume` to the end.
 Counted from outside, on the replay log: no rollout id twice, every dispatched rollout one terminal
 record, every step consumed once, no version applied by part of the fleet.
 """
@@ -22,6 +25,7 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -40,15 +44,18 @@ class Scenario:
     def __init__(self) -> None:
         self.facts: dict = {}
         self.errors: dict[str, str] = {}
+        self.seconds: dict[str, float] = {}  # each phase's wall time (printed with -s)
 
     def phase(self, name: str):
         scenario = self
 
         class Phase:
             def __enter__(self):
+                self.started = time.monotonic()
                 return self
 
             def __exit__(self, kind, exc, tb):
+                scenario.seconds[name] = round(time.monotonic() - self.started, 1)
                 if exc is not None and not isinstance(exc, KeyboardInterrupt):
                     import traceback
 
@@ -86,7 +93,7 @@ def scenario(tmp_path_factory, rl_model):
     try:
         ray = start_cluster(hosts, {1: ENGINE, 2: ENGINE, 3: TRAINER})
         config = write_cluster_config(base / "config.toml", rl_model, ray.address, engines=2, trainer_nodes=2,
-                              extra="unreachable_s = 8.0")
+                              extra="unreachable_s = 8.0\n[fleet]\nreplace = true")
         s.facts.update(hosts=hosts, run_dir=run_dir, address=ray.address)
         run = ClusterRun(hosts, config, run_dir, 400)
         with s.phase("ten_steps"):
@@ -122,6 +129,23 @@ def scenario(tmp_path_factory, rl_model):
             run.wait_for(lambda: consumed_steps(run_dir) >= before + 2, 300, "steps on one engine")
             s.facts["engine_host_killed"] = dict(engine=lost_engine, lost=lost[0], before=before,
                                                  after=consumed_steps(run_dir))
+        with s.phase("engine_host_replaced"):
+            s.need("engine_host_killed")
+            started = time.monotonic()
+            hosts[1].restart()
+            ray.join(1)  # its Ray node joins again, offering the engine resource
+            node_joined = time.monotonic()
+            source = f"replacement of {lost_engine}"
+            joined = run.wait_for(lambda: [e for e in run.events("fleet.joined") if e["source"] == source], 300,
+                                  "a replacement engine placed on the node that joined")
+            serving = time.monotonic()
+            new = joined[0]["engine"]
+            run.wait_for(lambda: len(completed_on(run_dir, new)) >= 2, 300, "rollouts on the replacement")
+            s.facts["engine_host_replaced"] = dict(
+                engine=new, joined=joined[0], placed=[e for e in run.events("engine.placed") if e["engine"] == new],
+                replacing=[e for e in run.events("fleet.replacing") if e["replacement"] == new],
+                seconds=dict(node_join=node_joined - started, to_serving=serving - node_joined,
+                             to_rollouts=time.monotonic() - serving))
         with s.phase("trainer_host_killed"):
             s.need("engine_host_killed")
             killed_at = time.monotonic()
@@ -131,9 +155,8 @@ def scenario(tmp_path_factory, rl_model):
                                                   output=run.output(), steps=consumed_steps(run_dir))
         with s.phase("orchestrator_killed"):
             s.need("trainer_host_killed")
-            for index in (1, 3):  # the hosts come back and rejoin the cluster
-                hosts[index].restart()
-                ray.join(index)
+            hosts[3].restart()  # the trainer host comes back and rejoins the cluster (host 1 is back already)
+            ray.join(3)
             steps = consumed_steps(run_dir)
             resumed = ClusterRun(hosts, config, run_dir, 400, "--resume")
             resumed.wait_for(lambda: consumed_steps(run_dir) >= steps + 2, 600, "steps after --resume")
@@ -170,7 +193,17 @@ def scenario(tmp_path_factory, rl_model):
         s.facts["cleanup"] = dict(namespaces=sorted(names & set(listed)),
                                   processes=[p for p in pids if Path(f"/proc/{p}").exists()],
                                   scratch=Path(scratch).exists())
+    print(f"\nscenario phases (s): {s.seconds}; the replacement's (s): "
+          f"{s.facts.get('engine_host_replaced', {}).get('seconds')}")
     yield s
+
+
+def completed_on(run_dir: Path, engine: str) -> list[RolloutRecord]:
+    try:
+        return [r for r in read_records(run_dir) if isinstance(r, RolloutRecord) and r.engine_id == engine
+                and r.status_name == "completed"]
+    except Exception:  # noqa: BLE001 - the log is being written
+        return []
 
 
 def isolation(hosts, run_dir: Path) -> dict:
@@ -198,10 +231,11 @@ def test_ten_steps_over_four_hosts_engines_and_trainer_ranks_placed_by_ray(scena
 
 
 def test_every_engine_served_and_each_record_names_it(scenario):
-    scenario.need("ten_steps")
+    scenario.need("ten_steps", "engine_host_replaced")
     run_dir = scenario.facts["run_dir"]
     served = {r.engine_id for r in read_records(run_dir) if isinstance(r, RolloutRecord) and r.status_name == "completed"}
-    assert served == set(scenario.facts["ten_steps"]["placed"]), served
+    assert served == set(scenario.facts["ten_steps"]["placed"]) | {scenario.facts["engine_host_replaced"]["engine"]}, \
+        served
 
 
 def test_the_log_holds_exactly_once_across_every_fault_and_resume(scenario):
@@ -265,6 +299,34 @@ def test_an_engine_host_killed_is_a_node_death_and_the_run_goes_on_with_fewer(sc
     facts = scenario.facts["engine_host_killed"]
     assert "Ray actor died" in facts["lost"]["error"], facts["lost"]
     assert facts["after"] >= facts["before"] + 2  # trainer steps on the one engine left
+
+
+def test_a_node_that_joins_gets_the_lost_engines_replacement_which_serves_from_the_live_version(scenario):
+    scenario.need("engine_host_replaced", "finished")
+    hosts, run_dir = scenario.facts["hosts"], scenario.facts["run_dir"]
+    facts, lost = scenario.facts["engine_host_replaced"], scenario.facts["engine_host_killed"]["engine"]
+    new, version = facts["engine"], facts["joined"]["version"]
+    assert new not in scenario.facts["ten_steps"]["placed"]  # a new engine, not the lost one back
+    assert [e["node_ip"] for e in facts["placed"]] == [hosts[1].address], facts["placed"]  # on the node that joined
+    assert [e["engine"] for e in facts["replacing"]] == [lost], facts["replacing"]
+    records = list(read_records(run_dir))
+    mine = sorted((r for r in records if isinstance(r, RolloutRecord) and r.engine_id == new),
+                  key=lambda r: r.timings.dispatched_at)
+    assert mine and version >= 1
+    # Its first rollout samples the version live at its join (or one that went live since, before it).
+    joined_ts = datetime.fromisoformat(facts["joined"]["timestamp"].replace("Z", "+00:00")).timestamp()
+    since = [a.version for a in records if isinstance(a, ActivationRecord) and a.outcome == "activated"
+             and a.activated_at is not None and joined_ts < a.activated_at <= mine[0].timings.dispatched_at]
+    assert mine[0].dispatched_version == max(since, default=version), (mine[0].dispatched_version, version, since)
+    assert all(r.version_span[0] >= version for r in mine if r.num_completion_tokens)
+    history = [json.loads(line) for line in (run_dir / "fleet.jsonl").read_text().splitlines()]
+    assert [h["state"] for h in history if h["engine"] == new][:2] == ["joining", "serving"], history
+    assert {h["source"] for h in history if h["engine"] == new} == {f"replacement of {lost}"}
+    assert "lost" in [h["state"] for h in history if h["engine"] == lost], history
+    stats = json.loads(subprocess.run(INFLIGHT + ["stats", str(run_dir), "--json"], capture_output=True, text=True,
+                                      timeout=300, check=True).stdout)
+    assert stats["engines"][new]["rollouts"] == len(mine) and stats["engines"][new]["first_version"] >= version
+    assert new in [h["engine"] for h in stats["fleet"]]
 
 
 def test_a_trainer_host_killed_stops_the_run_with_one_named_line_and_exit_2(scenario):
