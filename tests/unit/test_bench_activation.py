@@ -204,6 +204,10 @@ def test_register_keeps_the_command_and_defaults_to_at_least_ten_repetitions():
                     throughput_from=("double_buffer", "pause_free"))
     text = format_text({**out, "streams": 8, "median_step_ms": 50.0})
     assert "stall_ratio" in text and "pause_free" in text
+    row = {"rank": 16, "stall_ms": 1.5, "stall_ms_p90": 4.5, "pause_free_stall_ms": 2.0, "pause_free_stall_ms_p90": 7.0,
+           "pause_swap_stall_ms": 90.0, "adapter_bytes": 10, "model_bytes": 1000, "bytes_ratio": 0.01}
+    line = format_text({**out, "lora_row": row}).splitlines()[-2]
+    assert "stall_ms 1.5 (p90 4.5) vs pause_free 2.0 (p90 7.0)" in line, line
 
 
 # -- the worker's step clock (transports.swap.SwapWorkerExtension.swap_step_times) ------------
