@@ -69,7 +69,7 @@ Double buffering keeps a second, engine-ready copy of the model (a "shadow", see
 post-processing step (on CPU: the oneDNN repacking of linear weights, most of a reload's time)
 runs off-pause on the staging thread. After a flip the shadow holds the previous version: it is
 the rollback target until the next version is staged into it. LoRA merging lives in
-`transports.lora`.
+`transports.lora`; staging an adapter that vLLM serves natively, in `transports.lora_stage`.
 
 Light imports only (torch, safetensors, vLLM, this package); never `orchestrator` or `replay`.
 """
@@ -87,6 +87,7 @@ from typing import Any
 import torch
 
 from transports.lora import load_safetensors_dir, merge_lora
+from transports.lora_stage import LoraStagingExtension
 from transports.receiver_link import ReceiverLink, link_key
 from transports.shadow import (  # re-exported: importable from `transports.swap` as before
     BucketwiseReload,
@@ -118,8 +119,8 @@ def _parse(arg: Any) -> dict:
     return json.loads(arg)
 
 
-class SwapWorkerExtension(InflightWorkerExtension):
-    """See the module docstring."""
+class SwapWorkerExtension(InflightWorkerExtension, LoraStagingExtension):
+    """See the module docstring (and `transports.lora_stage` for the `lora_*` methods)."""
 
     # -- helpers -----------------------------------------------------------------------------
     def _swap(self) -> dict:

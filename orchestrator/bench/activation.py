@@ -109,8 +109,9 @@ def format_text(result: dict) -> str:
                      f"client clock {result['client_stall_ratio']:.1f})")
     row = result.get("lora_row") or {}
     if row:
-        lines.append(f"lora (rank {row['rank']})  stall_ms {row['stall_ms']:.1f} vs pause_free "
-                     f"{row.get('pause_free_stall_ms', float('nan')):.1f} and pause_swap "
+        lines.append(f"lora (rank {row['rank']})  stall_ms {row['stall_ms']:.1f} (p90 {row['stall_ms_p90']:.1f}) vs "
+                     f"pause_free {row.get('pause_free_stall_ms', float('nan')):.1f} "
+                     f"(p90 {row.get('pause_free_stall_ms_p90', float('nan')):.1f}) and pause_swap "
                      f"{row.get('pause_swap_stall_ms', float('nan')):.1f};  bytes per version "
                      f"{row['adapter_bytes']:,} of the model's {row['model_bytes']:,} ({row['bytes_ratio']:.1%}, "
                      f"goal <= 5%)")

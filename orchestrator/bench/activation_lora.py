@@ -2,10 +2,14 @@
 every linear layer of the decoder), loaded natively beside the serving adapters and made live
 at one instant (the fleet's `adapter` strategy), on the same engine and model as the full-model
 rows, under the same streaming load. Its window runs from the start of the activation (the
-load of the adapter included: nothing is staged before it) to its return.
+load of the adapter included: nothing is staged before it) to its return. Inside it the worker
+reads and builds the adapter on a thread off the engine's step (`orchestrator.engines.
+adapter_stage`, `transports.lora_stage`); only vLLM's `add_lora`, which registers the built
+adapter and copies it into a slot, runs between two engine steps.
 
 Reported beside the stall: the bytes a version moves, the adapter file's size against the full
-model's weights (goals: stall <= the `pause_free` row's, bytes <= 5% of the model's at rank 16).
+model's weights (goals: stall <= the `pause_free` row's, median and p90; bytes <= 5% of the
+model's at rank 16).
 
 `publish_adapter` runs in the benchmark's publishing process, like `activation_publish`.
 """
@@ -98,10 +102,14 @@ class LoraRow:
         adapter_bytes, model_bytes = self.sizes[-1]
         out = {"rank": RANK, "targets": list(TARGETS), "adapter_bytes": adapter_bytes, "model_bytes": model_bytes,
                "bytes_ratio": adapter_bytes / model_bytes, "stall_ms": lora["stall_ms"],
+               "stall_ms_p90": lora["stall_ms_p90"],
                "goals": {"stall_ms_at_most": "pause_free", "bytes_ratio": 0.05}}
         for other in ("pause_swap", "pause_free"):
             if other in result:
                 out[f"{other}_stall_ms"] = result[other]["stall_ms"]
+                out[f"{other}_stall_ms_p90"] = result[other]["stall_ms_p90"]
         if "pause_free" in result:
-            out["stall_within_pause_free"] = lora["stall_ms"] <= result["pause_free"]["stall_ms"]
+            free = result["pause_free"]
+            out["stall_within_pause_free"] = lora["stall_ms"] <= free["stall_ms"]
+            out["stall_p90_within_pause_free"] = lora["stall_ms_p90"] <= free["stall_ms_p90"]
         return out

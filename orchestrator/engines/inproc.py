@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Sequence
 import anyio
 
 from orchestrator.config.run import EngineConfig
+from orchestrator.engines.adapter_stage import stage_adapter, unstage_adapter
 from orchestrator.config.sampling import check_sampling
 from orchestrator.engines.base import (
     PAUSE_MODES,
@@ -198,8 +199,13 @@ class InProcessEngine(Engine):
             raise EngineGenerateError(self.engine_id, "LoRA is not enabled on this engine (engine.enable_lora)")
         self._adapter_names[adapter.int_id] = adapter.name  # before the call: it may load though cancelled
         try:
+            if self.stages_adapters:  # read and built beside generation; add_lora only makes it live
+                await stage_adapter(self, adapter, self.config.control_timeout_s)
             loaded = await self._control(self.llm.add_lora(_lora_request(adapter)), f"add_lora({adapter.name})")
         except (EngineDeadError, EngineTimeoutError):
+            raise
+        except EngineGenerateError:
+            self._adapter_names.pop(adapter.int_id, None)
             raise
         except Exception as exc:  # vLLM refused the adapter (it raises a bare Exception from its worker)
             self._adapter_names.pop(adapter.int_id, None)
@@ -207,7 +213,14 @@ class InProcessEngine(Engine):
         if loaded is False:
             raise EngineGenerateError(self.engine_id, f"adapter {adapter.name} at {adapter.path}: not loaded")
 
+    @property
+    def stages_adapters(self) -> bool:
+        """Adapters are staged in the workers first (`engines.adapter_stage`): the swap extension is there."""
+        return bool(self.config.worker_extension_cls)
+
     async def unload_adapter(self, adapter: AdapterRef) -> None:
+        if self.stages_adapters:  # a stage abandoned before add_lora leaves its adapter staged
+            await unstage_adapter(self, adapter, self.config.control_timeout_s)
         await self._control(self.llm.remove_lora(adapter.int_id), f"remove_lora({adapter.name})")
         self._adapter_names.pop(adapter.int_id, None)
 

@@ -46,6 +46,7 @@ from orchestrator.engines.base import (
     VersionSpan,
     parse_version,
 )
+from orchestrator.engines.adapter_stage import stage_adapter, unstage_adapter
 from orchestrator.engines.process_group import terminate_process_group
 from orchestrator.errors import (
     ConfigError,
@@ -412,6 +413,8 @@ class ServerEngine(Engine):
         return result.get("results", result) if isinstance(result, dict) else result
 
     async def load_adapter(self, adapter: AdapterRef) -> None:
+        if self.config.worker_extension_cls:  # read and built beside generation (engines.adapter_stage)
+            await stage_adapter(self, adapter, self.config.control_timeout_s)
         try:
             await self._post("/v1/load_lora_adapter", json={"lora_name": adapter.name, "lora_path": adapter.path})
         except EngineGenerateError as exc:
@@ -422,6 +425,8 @@ class ServerEngine(Engine):
             raise
 
     async def unload_adapter(self, adapter: AdapterRef) -> None:
+        if self.config.worker_extension_cls:  # a stage abandoned before the load leaves it staged
+            await unstage_adapter(self, adapter, self.config.control_timeout_s)
         await self._post("/v1/unload_lora_adapter", json={"lora_name": adapter.name})
 
     async def loaded_adapters(self) -> list[str]:

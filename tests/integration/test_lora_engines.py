@@ -1,7 +1,8 @@
 """LoRA versions on real vLLM engines (the `adapter` activation strategy): each version is a
 PEFT adapter loaded natively beside the serving ones, activated with no pause; every token's
-logprob equals a transformers forward of base + that version's adapter; a load refused on one
-engine activates nothing; at most `max_loras` adapters stay loaded while requests under old
+logprob equals a transformers forward of base + that version's adapter; the adapter is read and
+built in the worker before the step that makes it live; a load refused on one engine activates
+nothing; at most `max_loras` adapters stay loaded while requests under old
 adapters finish on them; no prefix-cache entry crosses adapter versions."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import pytest
 
 from orchestrator.activation import coordinator as act
 from orchestrator.config.run import EngineConfig
-from orchestrator.engines.base import SamplingSettings
+from orchestrator.engines.base import AdapterRef, SamplingSettings
 from orchestrator.errors import EngineGenerateError
 from orchestrator.fleet.fleet import Fleet
 from orchestrator.fleet.adapters import AdapterStore, adapter_name
@@ -25,6 +26,8 @@ MAX_LORAS = 3
 
 
 def lora_engine_config(model_dir, **kw) -> EngineConfig:
+    """With the swap extension, as every `inflight run` engine: adapters are staged off the step."""
+    kw.setdefault("worker_extension_cls", "transports.swap.SwapWorkerExtension")
     return EngineConfig(model=str(model_dir), kind="inproc", max_model_len=512, max_num_seqs=16,
                         enable_lora=True, max_lora_rank=8, max_loras=MAX_LORAS, **kw)
 
@@ -244,3 +247,49 @@ async def test_targets_the_engine_cannot_serve_are_refused_at_start_naming_the_f
                             tmp_path)
     assert err.value.field == "trainer.lora.target_modules" and "lm_head" in str(err.value)
     assert "inflight-probe" not in await engine.loaded_adapters()
+
+
+async def test_the_adapter_is_read_and_built_before_the_step_that_makes_it_live(engine, tiny_model_dir, root):
+    """Staged in the worker (read, built and packed on a thread beside generation), the adapter's
+    files may be gone by the time vLLM's add_lora runs: that step takes the staged adapter and
+    reads nothing. An adapter loaded without staging is read in the step (the worker says so)."""
+    from vllm.lora.request import LoRARequest
+
+    from orchestrator.engines.adapter_stage import stage_adapter
+
+    await unload_all(engine, root)
+    store = AdapterStore(root, MAX_LORAS)
+    path = make_adapter(tiny_model_dir, root, 60, seed=60)
+    assert await stage_adapter(engine, store.ref(60), 60.0) > 0.0
+    assert await engine.loaded_adapters() == [], "staged is not loaded: vLLM holds nothing yet"
+    hidden = path.with_name(path.name + ".hidden")
+    path.rename(hidden)
+    try:
+        await engine.load_adapter(store.ref(60))  # vLLM's add_lora, with no file to read
+        assert await engine.loaded_adapters() == [adapter_name(60)]
+        fleet = fleet_of([engine], root, live=60)
+        fleet.resident[engine.engine_id] = {60: store.ref(60)}
+        completions = [await fleet.generate(prompt, SAMPLING) for prompt in PROMPTS]
+    finally:
+        hidden.rename(path)
+    for c in completions:
+        assert c.status == "completed" and c.changes == [(0, 60)], c.message
+        check_against_reference(tiny_model_dir, root, c, 60)  # the staged tensors are the adapter's
+    events = [e for e in (await engine.collective_rpc("lora_stage_events"))[0] if e["path"] == str(path)]
+    assert [e["event"] for e in events] == ["staged", "taken"], events
+
+    # The worker's record can tell the other way: without a stage, add_lora reads the files itself.
+    other = make_adapter(tiny_model_dir, root, 61, seed=61)
+    ref = store.ref(61)
+    await engine.llm.add_lora(LoRARequest(ref.name, ref.int_id, ref.path))
+    events = [e["event"] for e in (await engine.collective_rpc("lora_stage_events"))[0] if e["path"] == str(other)]
+    assert events == ["loaded_in_step"]
+    await engine.unload_adapter(ref)
+
+    # A stage that cannot read its adapter refuses the load, naming it, and nothing is held.
+    missing = AdapterRef(name="inflight-v62", int_id=62, path=str(root / "v00000062"))
+    with pytest.raises(EngineGenerateError) as err:
+        await engine.load_adapter(missing)
+    assert "inflight-v62" in str(err.value)
+    assert await engine.loaded_adapters() == [adapter_name(60)]
+    await engine.unload_adapter(store.ref(60))

@@ -204,6 +204,10 @@ def test_register_keeps_the_command_and_defaults_to_at_least_ten_repetitions():
                     throughput_from=("double_buffer", "pause_free"))
     text = format_text({**out, "streams": 8, "median_step_ms": 50.0})
     assert "stall_ratio" in text and "pause_free" in text
+    row = {"rank": 16, "stall_ms": 1.5, "stall_ms_p90": 4.5, "pause_free_stall_ms": 2.0, "pause_free_stall_ms_p90": 7.0,
+           "pause_swap_stall_ms": 90.0, "adapter_bytes": 10, "model_bytes": 1000, "bytes_ratio": 0.01}
+    line = format_text({**out, "lora_row": row}).splitlines()[-2]
+    assert "stall_ms 1.5 (p90 4.5) vs pause_free 2.0 (p90 7.0)" in line, line
 
 
 # -- the worker's step clock (transports.swap.SwapWorkerExtension.swap_step_times) ------------
@@ -357,10 +361,15 @@ def test_the_lora_row_summary_compares_its_stall_with_pause_free_and_bytes_with_
 
     row = LoraRow.__new__(LoraRow)
     row.sizes = [(1_000, 100_000)]
-    result = {"lora": {"stall_ms": 3.0}, "pause_free": {"stall_ms": 4.0}, "pause_swap": {"stall_ms": 90.0}}
+    result = {"lora": {"stall_ms": 3.0, "stall_ms_p90": 8.0}, "pause_free": {"stall_ms": 4.0, "stall_ms_p90": 9.0},
+              "pause_swap": {"stall_ms": 90.0, "stall_ms_p90": 120.0}}
     s = row.summary(result)
     assert s["bytes_ratio"] == 0.01 and s["stall_within_pause_free"] is True
+    assert s["stall_p90_within_pause_free"] is True
     assert (s["pause_free_stall_ms"], s["pause_swap_stall_ms"]) == (4.0, 90.0)
+    assert (s["stall_ms_p90"], s["pause_free_stall_ms_p90"], s["pause_swap_stall_ms_p90"]) == (8.0, 9.0, 120.0)
     result["lora"]["stall_ms"] = 5.0
     assert row.summary(result)["stall_within_pause_free"] is False
+    result["lora"]["stall_ms_p90"] = 9.5  # the goal holds for the p90 too
+    assert row.summary(result)["stall_p90_within_pause_free"] is False
     assert row.summary({}) == {}, "no lora row measured: nothing claimed"
