@@ -18,7 +18,6 @@ import math
 import time
 
 import anyio
-import numpy as np
 
 from orchestrator.observe.logging import get_logger
 from orchestrator.observe.progress import StepLine
@@ -132,8 +131,10 @@ class RunLoop:
                 self._tg.start_soon(self.run.fleet.abort_many, ids)
             elif isinstance(a, sch.SubmitBatch):
                 self._submit(a)
-        self.run.metrics.inflight.set(self.run.scheduler.inflight)
-        self.run.progress.state.inflight = self.run.scheduler.inflight
+        inflight = self.run.scheduler.inflight
+        if inflight != self.run.progress.state.inflight:  # the gauge takes a lock: only on change
+            self.run.metrics.inflight.set(inflight)
+            self.run.progress.state.inflight = inflight
         if self.run.scheduler.exhausted:
             self.request_stop("task exhausted")
 
@@ -416,7 +417,7 @@ class RunLoop:
             self._forget(rid)
         self.handle(sch.StepDone(step=m.step, version=m.version, at=time.monotonic()))
         self._forget_ended_groups()
-        self.run.progress.step(StepLine(m.step, m.reward_mean, float(np.mean(staleness)), int(max(staleness)),
+        self.run.progress.step(StepLine(m.step, m.reward_mean, sum(staleness) / len(staleness), int(max(staleness)),
                                         self.run.metrics.tokens_per_second, self.run.fleet.live_version,
                                         m.loss, time.monotonic() - started))
         if m.version is not None:
