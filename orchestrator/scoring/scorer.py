@@ -17,9 +17,9 @@ thread is not a daemon, so a reward function that never returns held the process
 from __future__ import annotations
 
 import asyncio
-import collections
 import queue
 import threading
+import time
 import weakref
 from collections.abc import Callable, Sequence
 
@@ -28,60 +28,105 @@ from orchestrator.scoring.outcome import REWARD_ERROR, REWARD_TIMEOUT, ScoreFail
 IDLE_S = 10.0  # a thread with no call for this long ends (the next call starts one), as anyio's do
 
 
+class _Call:
+    """One call to score: its future on the caller's loop, and when a thread started it."""
+
+    __slots__ = ("future", "fn", "args", "results", "started_at", "finished", "abandoned", "timer")
+
+    def __init__(self, future: asyncio.Future, fn: Callable, args: tuple, results: _Results) -> None:
+        self.future, self.fn, self.args, self.results = future, fn, args, results
+        self.started_at: float | None = None  # monotonic, set by the thread that runs it
+        self.finished = False  # its thread is done with it
+        self.abandoned = False  # given up while it ran: its thread leaves the pool once it returns
+        self.timer: asyncio.TimerHandle | None = None
+
+
 class _DaemonThreads:
-    """Daemon threads that take calls from one queue, one call each at a time, reused while idle.
-    A call whose caller gave up (its timeout) keeps its thread until it returns, if ever; the
-    thread is never joined.
+    """At most `workers` daemon threads serving calls from one queue, in arrival order, one at a
+    time each; idle ones end after IDLE_S. A thread whose call was given up while it ran (its
+    timeout) is abandoned (it cannot be stopped, and is never joined): it leaves the pool when the
+    call returns, if ever, and another takes its place at once.
 
-    A hop costs the event loop little (`inflight bench orchestrator`: a free score through a
-    thread and back cost about 150 us of the loop's CPU a call when each call had a thread's
-    inbox and each result a wake-up of the loop of its own): a call goes on the shared queue
-    (a thread that just finished one takes it without sleeping), and the results that come back
-    before the loop runs again are handed over together, with one wake-up (`_Results`)."""
+    The pool's slots are held by threads, not by the event loop: a thread that finishes a call
+    takes the next waiting one at once, and the results that come back before the loop runs again
+    are handed over together, with one wake-up of the loop (`_Results`). `inflight bench
+    orchestrator` (64 rollouts, 4 threads, a free score): the hop through anyio's limiter,
+    fail_after and a thread's inbox cost the loop about 60-70 us of CPU a call, and a slot was
+    held for a round trip through the busy loop."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, workers: int) -> None:
         self.name = name
-        self._calls: queue.SimpleQueue = queue.SimpleQueue()  # (results, future, fn, args)
-        self._lock = threading.Lock()
-        self._idle = 0  # threads waiting for a call that no call queued has counted on yet
+        self.workers = workers
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()  # guards the three counts
+        self._serving = 0  # threads of the pool (abandoned ones are not)
+        self._busy = 0  # of those, running a call
+        self._queued = 0  # calls queued, not yet taken
         self._results: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loop -> _Results
 
-    def submit(self, loop: asyncio.AbstractEventLoop, fn: Callable, args: tuple) -> asyncio.Future:
-        """`fn(*args)` in a thread; its outcome settles the future returned (on `loop`). A future
-        cancelled meanwhile: the thread finishes the call, and its result is dropped."""
-        future = loop.create_future()
+    def submit(self, loop: asyncio.AbstractEventLoop, fn: Callable, args: tuple) -> _Call:
+        """Queue `fn(*args)`; its outcome settles `call.future` (on `loop`). A call whose future
+        is done (cancelled, timed out) before a thread takes it never runs."""
         results = self._results.get(loop)
         if results is None:
             results = self._results[loop] = _Results()
+        call = _Call(loop.create_future(), fn, args, results)
         with self._lock:
-            claimed = self._idle > 0
-            if claimed:
-                self._idle -= 1
-        if not claimed:  # every thread is busy (or abandoned): one more
+            self._queued += 1
+            start = self._more_needed()
+        if start:
             threading.Thread(target=self._serve, name=self.name, daemon=True).start()
-        self._calls.put((results, future, fn, args))
-        return future
+        self._calls.put(call)
+        return call
+
+    def _more_needed(self) -> bool:
+        """(Under the lock.) Whether the calls queued outnumber the waiting threads and the pool
+        has room: then one more thread is counted (the caller starts it)."""
+        if self._queued > self._serving - self._busy and self._serving < self.workers:
+            self._serving += 1
+            return True
+        return False
+
+    def abandon(self, call: _Call) -> None:
+        """Its caller gave up on a call that a thread runs: that thread leaves the pool."""
+        with self._lock:
+            if call.finished or call.abandoned:
+                return
+            call.abandoned = True
+            self._serving -= 1
+            self._busy -= 1
+            start = self._more_needed()
+        if start:
+            threading.Thread(target=self._serve, name=self.name, daemon=True).start()
 
     def _serve(self) -> None:
-        # The threads waiting here, not holding a call, are `_idle` + the calls queued: a thread
-        # ends only while an idle one is left uncounted on, so every queued call finds a thread.
         while True:
             try:
-                results, future, fn, args = self._calls.get(timeout=IDLE_S)
+                call = self._calls.get(timeout=IDLE_S)
             except queue.Empty:
                 with self._lock:
-                    if self._idle > 0:
-                        self._idle -= 1
+                    if self._serving - self._busy > self._queued:  # a waiting thread to spare: end
+                        self._serving -= 1
                         return
-                continue  # a call counted on this thread is on its way
-            try:
-                outcome = (fn(*args), None)
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                outcome = (None, exc)
-            with self._lock:  # idle before the caller hears: its next call finds this thread
-                self._idle += 1
-            results.add(future, outcome)
-            del results, future, fn, args, outcome  # hold nothing of the call while idle
+                continue
+            with self._lock:
+                self._queued -= 1
+                self._busy += 1
+            outcome = None
+            if not call.future.done():  # else given up before it started: never runs
+                call.started_at = time.monotonic()
+                try:
+                    outcome = (call.fn(*call.args), None)
+                except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                    outcome = (None, exc)
+            with self._lock:
+                call.finished = True
+                if call.abandoned:  # replaced meanwhile: this thread is no longer the pool's
+                    return
+                self._busy -= 1  # free before the caller hears: its next call finds this thread
+            if outcome is not None:
+                call.results.add(call.future, outcome)
+            del call, outcome  # hold nothing of the call while idle
 
 
 class _Results:
@@ -121,19 +166,15 @@ def _settle(future: asyncio.Future, result, error: BaseException | None) -> None
 
 class Scorer:
     """At most `workers` calls run at once, the others wait in arrival order; each call is bounded
-    by `timeout_s` from when it starts (the wait for a thread is not its time, as ScorePool's).
-
-    Plain asyncio futures and one timer a call, not anyio's CapacityLimiter and fail_after: with
-    64 rollouts scoring through 4 threads these cost the event loop about 55 us a call (a waiter's
-    event, its checkpoints, a cancel scope), more than the thread hop itself."""
+    by `timeout_s` from when a thread starts it (the wait for a thread is not its time, as
+    ScorePool's). One timer a call: when it fires before the call started, it is set again for
+    `timeout_s` after the start."""
 
     def __init__(self, task, *, workers: int, timeout_s: float) -> None:
         self.task = task
         self.timeout_s = timeout_s
         self.workers = workers
-        self._running = 0  # calls holding one of the `workers` slots
-        self._waiting: collections.deque[asyncio.Future] = collections.deque()  # for a slot, in order
-        self._threads = _DaemonThreads("inflight-score")
+        self._threads = _DaemonThreads("inflight-score", workers)
 
     async def start(self) -> None:
         """Nothing to start: threads come on demand (the same life as `ScorePool`)."""
@@ -153,45 +194,30 @@ class Scorer:
 
     async def _call(self, fn: Callable, args: tuple):
         loop = asyncio.get_running_loop()
-        await self._slot(loop)
+        call = self._threads.submit(loop, fn, args)
+        call.timer = loop.call_later(self.timeout_s, self._expire, call)
         try:
-            future = self._threads.submit(loop, fn, args)
-            timer = loop.call_later(self.timeout_s, _expire, future)
-            try:
-                return await future  # cancelled: the thread finishes the call, its result dropped
-            finally:
-                timer.cancel()
-        finally:
-            self._release()
-
-    async def _slot(self, loop: asyncio.AbstractEventLoop) -> None:
-        """One of the `workers` slots; waits (first come, first served) while all are held."""
-        if self._running < self.workers and not self._waiting:
-            self._running += 1
-            return
-        gate = loop.create_future()
-        self._waiting.append(gate)
-        try:
-            await gate  # the call ending hands its slot over (`_release`)
+            return await call.future
         except BaseException:
-            if gate.done() and not gate.cancelled():  # handed a slot, then cancelled: pass it on
-                self._release()
-            elif gate in self._waiting:  # (a cancelled gate may already be passed over)
-                self._waiting.remove(gate)
+            if call.future.cancelled() and call.started_at is not None:
+                self._threads.abandon(call)  # cancelled while it runs: the thread finishes it alone
             raise
+        finally:
+            call.timer.cancel()
 
-    def _release(self) -> None:
-        while self._waiting:
-            gate = self._waiting.popleft()
-            if not gate.done():
-                gate.set_result(None)  # the slot goes to the next waiter (still counted running)
-                return
-        self._running -= 1
-
-
-def _expire(future: asyncio.Future) -> None:
-    if not future.done():
-        future.set_exception(TimeoutError())
+    def _expire(self, call: _Call) -> None:
+        if call.future.done():
+            return
+        loop = call.future.get_loop()
+        if call.started_at is None:  # still waiting for a thread: its time has not begun
+            call.timer = loop.call_later(self.timeout_s, self._expire, call)
+            return
+        left = call.started_at + self.timeout_s - time.monotonic()
+        if left > 0:
+            call.timer = loop.call_later(left, self._expire, call)
+            return
+        call.future.set_exception(TimeoutError())
+        self._threads.abandon(call)
 
 
 def make_scorer(task, *, pool: str, workers: int, timeout_s: float, builder: Callable[[], object] | None = None,

@@ -120,9 +120,11 @@ class _Counting:
         self.running = 0
         self.most = 0
         self.lock = threading.Lock()
+        self.calls: list = []
 
     def score_sync(self, prompt, ids):
         with self.lock:
+            self.calls.append(prompt)
             self.running += 1
             self.most = max(self.most, self.running)
         time.sleep(self.delay_s)
@@ -144,7 +146,8 @@ async def test_a_thread_scorer_runs_at_most_workers_calls_at_once_and_answers_ea
             tg.start_soon(one, i)
     assert results == {i: {"reward": float(i)} for i in range(64)}
     assert task.most <= 3
-    assert scorer._running == 0 and not scorer._waiting, "every slot given back"
+    pool = scorer._threads
+    assert pool._busy == 0 and pool._queued == 0 and pool._serving <= 3, "every slot given back"
 
 
 async def test_a_call_cancelled_while_it_waits_for_a_slot_never_runs_and_holds_no_slot():
@@ -155,8 +158,9 @@ async def test_a_call_cancelled_while_it_waits_for_a_slot_never_runs_and_holds_n
         await anyio.sleep(0.02)
         with anyio.move_on_after(0.05):
             await scorer.score(1, [1])  # waits for the one slot, then gives up
-    assert scorer._running == 0 and not scorer._waiting
     assert await scorer.score(2, [1]) == {"reward": 2.0}
+    assert task.most == 1 and scorer._threads._busy == 0 and scorer._threads._queued == 0
+    assert task.calls == [0, 2], "the call given up while it waited never ran"
 
 
 async def test_a_thread_scorers_timeout_is_a_reward_timeout_and_gives_the_slot_back():
@@ -211,9 +215,10 @@ async def test_a_crossing_past_its_timeout_cancels_its_task_on_the_user_code_loo
     from orchestrator.errors import UserCodeTimeout
 
     runner = UserCode(threads=4)
-    cancelled = threading.Event()
+    started, cancelled = threading.Event(), threading.Event()
 
     async def slow():
+        started.set()
         try:
             await asyncio.sleep(30)
         except asyncio.CancelledError:
@@ -222,7 +227,8 @@ async def test_a_crossing_past_its_timeout_cancels_its_task_on_the_user_code_loo
 
     try:
         with pytest.raises(UserCodeTimeout):
-            await runner.call(slow, timeout_s=0.1, what="the environment's step")
+            await runner.call(slow, timeout_s=1.0, what="the environment's step")
+        assert started.is_set()  # (a call given up before it crossed never starts)
         with anyio.fail_after(5):
             while not cancelled.is_set():
                 await anyio.sleep(0.01)
