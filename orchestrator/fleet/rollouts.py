@@ -61,7 +61,7 @@ class Track:
     engine: str
     dispatched_version: int
     started_at: float
-    n_tokens: int = 0
+    tokens: list[int] = field(default_factory=list)  # the completion's tokens, as they stream
     switches: list[tuple[int, int]] = field(default_factory=list)  # (token index, version)
     aborted_by_activation: bool = False
     cancel: anyio.CancelScope | None = None
@@ -74,6 +74,11 @@ class Track:
     prompt_unknown: int = 0
     abort_sent: bool = False  # the fleet asked its engine to abort it (an abort not asked for is the engine's)
     left: bool = False  # aborted because its engine left the fleet (`FleetMembership.drain`)
+
+    @property
+    def n_tokens(self) -> int:
+        """Progress, readable while it streams (no counter kept per chunk)."""
+        return len(self.tokens)
 
 
 @dataclass
@@ -224,7 +229,7 @@ class RolloutStreams:
         track = Track(rid, target, self.live_version, time.time())
         self.tracks[rid] = track
         self._tracks_by_engine.setdefault(target, {})[rid] = track
-        tokens: list[int] = []
+        tokens = track.tokens  # extended in place: the track's progress
         logprobs: list[float] = []
         spans = None
         finish = None
@@ -247,11 +252,12 @@ class RolloutStreams:
                             track.first_token_at = time.time()
                         tokens += ids
                         logprobs += chunk.logprobs
-                        track.n_tokens += len(ids)  # progress, readable while it streams
                     if chunk.finished:
                         finish, spans, engine_prompt = chunk.finish_reason, chunk.version_spans, chunk.prompt_token_ids
             fenced = (scope.cancelled_caught or track.fenced) and not track.left
-            reported = fenced or track.left or await self._switch_reported(track)
+            # No coroutine when no report is owed (every rollout but those an activation crossed).
+            reported = (fenced or track.left or track.engine not in self._reports_due
+                        or await self._switch_reported(track))
             if track.left:
                 status, reason = "dropped", "aborted"
                 message = f"{target} left the fleet before this rollout finished (fleet.drain_s passed)"

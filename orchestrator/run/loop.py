@@ -14,15 +14,14 @@ log, stops trainer and engines and exits 0; a second SIGINT exits 130 at once.
 
 from __future__ import annotations
 
-import math
 import time
 
 import anyio
-import numpy as np
 
 from orchestrator.observe.logging import get_logger
 from orchestrator.observe.progress import StepLine
 from orchestrator.run.activator import run_activator
+from orchestrator.run.dispatch import ReadyQueue
 from orchestrator.run.episodes import episode_rollout
 from orchestrator.run.eval import run_evaluations
 from orchestrator.run.fleet_keeper import FleetKeeper
@@ -132,8 +131,10 @@ class RunLoop:
                 self._tg.start_soon(self.run.fleet.abort_many, ids)
             elif isinstance(a, sch.SubmitBatch):
                 self._submit(a)
-        self.run.metrics.inflight.set(self.run.scheduler.inflight)
-        self.run.progress.state.inflight = self.run.scheduler.inflight
+        inflight = self.run.scheduler.inflight
+        if inflight != self.run.progress.state.inflight:  # the gauge takes a lock: only on change
+            self.run.metrics.inflight.set(inflight)
+            self.run.progress.state.inflight = inflight
         if self.run.scheduler.exhausted:
             self.request_stop("task exhausted")
 
@@ -144,7 +145,7 @@ class RunLoop:
         """Journals each batch of dispatches durably, then hands them to the rollout workers
         (long-lived tasks, one per rollout that may be in flight: a task per rollout cost
         about a third of the throughput in `inflight bench orchestrator`)."""
-        send, receive = anyio.create_memory_object_stream[sch.Dispatch](math.inf)
+        ready = ReadyQueue()
         workers = 0
         async with anyio.create_task_group() as rollouts:
             self._rollout_scope = rollouts.cancel_scope
@@ -160,15 +161,14 @@ class RunLoop:
                         started.append(d)
                 await self.run.journal.append(entries)
                 while workers < min(self.run.scheduler.inflight, self.run.config.scheduler.max_inflight):
-                    rollouts.start_soon(self._worker, receive.clone())
+                    rollouts.start_soon(self._worker, ready)
                     workers += 1
                 for d in started:
-                    send.send_nowait(d)
+                    ready.put(d)
 
-    async def _worker(self, receive) -> None:
-        async with receive:
-            async for d in receive:
-                await self._rollout(d)
+    async def _worker(self, ready: ReadyQueue) -> None:
+        while True:
+            await self._rollout(await ready.take())
 
     async def _context(self, rollout_id: int) -> RolloutContext:
         entry = self.inflight[rollout_id]
@@ -416,7 +416,7 @@ class RunLoop:
             self._forget(rid)
         self.handle(sch.StepDone(step=m.step, version=m.version, at=time.monotonic()))
         self._forget_ended_groups()
-        self.run.progress.step(StepLine(m.step, m.reward_mean, float(np.mean(staleness)), int(max(staleness)),
+        self.run.progress.step(StepLine(m.step, m.reward_mean, sum(staleness) / len(staleness), int(max(staleness)),
                                         self.run.metrics.tokens_per_second, self.run.fleet.live_version,
                                         m.loss, time.monotonic() - started))
         if m.version is not None:

@@ -1,8 +1,10 @@
 """Recording: the replay writer thread, the live statistics, and the records the run writes.
 
 `Recorder` owns the run's `ReplayLog`. The event loop never touches the file: `submit(record)`
-puts the record on a queue (no I/O, no wait) and feeds the live statistics and metrics; one
-writer thread appends what is queued in batches under the log's fsync policy. `flush()`
+queues the record (no I/O, no wait); one writer thread appends what is queued in batches under the
+log's fsync policy and feeds the live statistics and metrics. The records submitted during one turn
+of the event loop reach the writer together, at the end of that turn: one wake-up of the writer
+thread (a futex call, then a hand-over of the GIL) for all of them, not one per record. `flush()`
 (awaitable) returns once everything submitted so far is durable. A record the log refuses
 (InvalidRecordError: a bug, never user data) is logged with its field and counted, and the
 thread goes on: nothing acknowledged is lost for it.
@@ -18,13 +20,12 @@ that was not observed is absent, never a default.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
 import queue
-import sys
 import threading
-from array import array
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ import anyio
 from orchestrator.fleet.rollouts import FleetCompletion
 from orchestrator.observe.logging import get_logger
 from orchestrator.scheduling.scheduler import Terminal
+from replay.errors import InvalidRecordError
 from replay.log import FsyncPolicy, ReplayLog
 from replay.records import (
     COMPLETED,
@@ -47,8 +49,6 @@ from replay.records import (
 )
 
 log = get_logger(__name__)
-if sys.byteorder != "little" or array("i").itemsize != 4 or array("f").itemsize != 4:
-    raise ImportError("recording packs int32/float32 blobs with array(): needs a little-endian machine")
 _FLUSH = object()
 _STOP = object()
 
@@ -67,8 +67,9 @@ class Recorder:
         self.submitted = 0
         self.written = 0
         self.refused = 0
-        self._on_record = on_record  # metrics: called on the loop thread per submitted record
+        self._on_record = on_record  # metrics: called with each record the log accepted (writer thread)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._turn: list[Record] = []  # submitted during this turn of the event loop, not yet queued
         self._failure: BaseException | None = None
         self._stats_lock = threading.Lock()  # live stats: added on the writer thread, read on the loop's
         self._thread = threading.Thread(target=self._write_forever, name="replay-writer", daemon=True)
@@ -76,11 +77,24 @@ class Recorder:
 
     # -- the loop's side ---------------------------------------------------------------------
     def submit(self, record: Record) -> None:
-        """Queue one record (no I/O). Raises if the writer failed: the run must stop."""
+        """Queue one record (no I/O), from the event loop's thread or with no loop running. Raises
+        if the writer failed: the run must stop."""
         if self._failure is not None:
             raise RuntimeError(f"the replay writer failed: {self._failure!r}") from self._failure
-        self._queue.put(record)
+        self._turn.append(record)
         self.submitted += 1
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # not on an event loop: at once
+            self._hand_over()
+            return
+        if len(self._turn) == 1:
+            loop.call_soon(self._hand_over)
+
+    def _hand_over(self) -> None:
+        turn, self._turn = self._turn, []
+        if turn:
+            self._queue.put(turn)
 
     def preload(self, records) -> None:
         """Records already in the log (a resumed run): counted by the live statistics and the
@@ -98,6 +112,7 @@ class Recorder:
 
     async def flush(self, timeout_s: float = 60.0) -> None:
         """Wait until everything submitted so far is durable."""
+        self._hand_over()
         done = threading.Event()
         self._queue.put((_FLUSH, done))
         with anyio.CancelScope(shield=True):
@@ -109,6 +124,7 @@ class Recorder:
 
     def close(self, timeout_s: float = 60.0) -> None:
         """Write and sync what is queued, then close the log (blocking; call at the end)."""
+        self._hand_over()
         self._queue.put(_STOP)
         self._thread.join(timeout_s)
         self.log.close()
@@ -124,8 +140,6 @@ class Recorder:
 
     # -- the writer thread -------------------------------------------------------------------
     def _write_forever(self) -> None:
-        from replay.errors import InvalidRecordError
-
         while True:
             item = self._queue.get()
             batch = [item]
@@ -138,24 +152,31 @@ class Recorder:
                 if item is _STOP:
                     self._sync()
                     return
-                if isinstance(item, tuple) and item and item[0] is _FLUSH:
+                if type(item) is tuple:  # (_FLUSH, its event)
                     self._sync()
                     item[1].set()
                     continue
-                try:
-                    self.log.append(item)
-                    with self._stats_lock:
-                        self.written += 1
-                        self._accepted(item)
-                except InvalidRecordError as exc:
-                    self.refused += 1
-                    log.error("recording.record_refused", field=exc.field, reason=exc.reason,
-                              type=type(item).__name__)
-                except BaseException as exc:  # the file failed: nothing more can be made durable
-                    self._failure = exc
-                    log.error("recording.writer_failed", error=repr(exc))
+                if not self._append(item):
                     self._release_waiters()
                     return
+
+    def _append(self, records: list[Record]) -> bool:
+        """Append one turn's records; False once the file failed (nothing more can be made durable)."""
+        for record in records:
+            try:
+                self.log.append(record)
+                with self._stats_lock:
+                    self.written += 1
+                    self._accepted(record)
+            except InvalidRecordError as exc:
+                self.refused += 1
+                log.error("recording.record_refused", field=exc.field, reason=exc.reason,
+                          type=type(record).__name__)
+            except BaseException as exc:
+                self._failure = exc
+                log.error("recording.writer_failed", error=repr(exc))
+                return False
+        return True
 
     def _sync(self) -> None:
         try:
@@ -170,7 +191,7 @@ class Recorder:
                 item = self._queue.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(item, tuple) and item and item[0] is _FLUSH:
+            if type(item) is tuple:  # (_FLUSH, its event)
                 item[1].set()
 
 
@@ -304,16 +325,14 @@ def build_rollout_record(ctx: RolloutContext, terminal: Terminal, completion: Fl
         status = Dropped(terminal.reason or "dropped")
     else:
         status = Errored(terminal.reason or "error", terminal.message[:500])
-    tokens = array("i")
-    logprobs = array("f")
+    tokens: list[int] = []
+    logprobs: list[float] = []
     changes, kv, environment, episode_end, finish_reason = None, False, None, None, None
     timings = Timings(dispatched_at=ctx.dispatched_at)
     dispatched_version, engine_id = ctx.dispatched_version, ctx.engine_id
     if completion is not None:
-        # array() packs a list of Python numbers several times faster than numpy does, and
-        # from_lists takes any buffer (little-endian machines; checked at import).
-        tokens = array("i", completion.token_ids)
-        logprobs = array("f", completion.logprobs)
+        # from_lists packs the lists as they are (struct: no copy to an intermediate array).
+        tokens, logprobs = completion.token_ids, completion.logprobs
         changes = completion.change_points() if completion.token_ids else None
         # The fleet's dispatch instant is when the request went to the engine (later than the
         # scheduler's decision, by the journal's fsync): the record keeps the decision.
@@ -326,7 +345,7 @@ def build_rollout_record(ctx: RolloutContext, terminal: Terminal, completion: Fl
         dispatched_version, engine_id = completion.dispatched_version, completion.engine_id
     return RolloutRecord.from_lists(
         rollout_id=ctx.rollout_id, group_id=ctx.group_id, prompt_id=ctx.prompt_id, engine_id=engine_id,
-        prompt_token_ids=array("i", ctx.prompt_token_ids), completion_token_ids=tokens,
+        prompt_token_ids=ctx.prompt_token_ids, completion_token_ids=tokens,
         completion_logprobs=logprobs, dispatched_version=dispatched_version, identity=identity,
         timings=timings, version_changes=changes, kv_carried_across_versions=kv, status=status,
         rewards=dict(rewards or {}), sampling=sampling, environment_spans=environment, episode_end=episode_end,

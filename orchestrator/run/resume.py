@@ -21,10 +21,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import anyio
+import msgspec
 
 from orchestrator.scheduling.scheduler import ROLLOUT_ID_STRIDE, RestoredGroup, RestoredRollout
 
 JOURNAL = "dispatch.journal"
+_encode = msgspec.json.encode
 CRASHED = "crashed"  # drop reason of a rollout that was in flight when the orchestrator died
 
 
@@ -43,8 +45,10 @@ class DispatchJournal:
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def _append(self, entries: list[JournalEntry]) -> None:
-        data = "".join(json.dumps([e.rollout_id, e.group_id, e.engine, e.version, e.at]) + "\n"
-                       for e in entries).encode()
+        # msgspec: the same JSON array a line (compact), about a tenth of json.dumps's time, which
+        # this thread spends holding the GIL the run's loop needs (a batch is every rollout the loop
+        # just dispatched).
+        data = b"".join(_encode((e.rollout_id, e.group_id, e.engine, e.version, e.at)) + b"\n" for e in entries)
         view = memoryview(data)
         while view:
             view = view[os.write(self._fd, view):]

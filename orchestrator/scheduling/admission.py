@@ -34,9 +34,11 @@ class Admission:
                    and self.inflight + self.n <= self.config.max_inflight):
                 actions += self._new_group()
             return actions
-        while (self._groups_needed() > 0
+        # The cheapest test first: at max_inflight (most events, in steady state) it ends the loop.
+        # The tests are pure, so their order changes no decision.
+        while (self.inflight + self.n <= self.config.max_inflight
+               and self._groups_needed() > 0
                and self.outstanding + self.n <= self.admission_bound
-               and self.inflight + self.n <= self.config.max_inflight
                and self._fresh_when_consumed()
                and self._needed_in_time()):
             actions += self._new_group()

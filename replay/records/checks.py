@@ -5,6 +5,7 @@ not import the record types."""
 from __future__ import annotations
 
 import math
+import struct
 import sys
 from array import array
 from collections.abc import Sequence
@@ -186,7 +187,19 @@ def int32_values(blob: bytes) -> list[int]:
 
 
 def _as_blob(values: Sequence[int] | Sequence[float] | np.ndarray, dtype: np.dtype) -> bytes:
+    # A list or tuple of Python numbers (every record the run builds): struct packs it about 3x
+    # faster than numpy converts it, to the same bytes (both are C casts to int32/float32).
+    # Anything struct refuses (out of range, not a number) goes the numpy way, as before.
+    code = _STRUCT_CODES.get(dtype) if type(values) in (list, tuple) else None
+    if code is not None:
+        try:
+            return struct.pack(f"<{len(values)}{code}", *values)
+        except (struct.error, OverflowError, TypeError, ValueError):
+            pass
     return np.ascontiguousarray(values, dtype=dtype).tobytes()
+
+
+_STRUCT_CODES: Final = {INT32: "i", FLOAT32: "f"}
 
 
 def _change_points(
