@@ -36,8 +36,8 @@ def crash_resume_run(tmp_path_factory, rl_model) -> CrashResumeRun:
     trainer twice; the steps themselves are cheap.
 
     1. The run, SIGKILLed as a process group (orchestrator, trainer and engine processes at once)
-       once it consumed 6 steps and its trainer's journal holds an odd step (one the resume
-       trains again: its checkpoint falls at the next even step).
+       once it consumed 6 steps and its trainer's journal holds an odd step that it published (one
+       the resume trains again: its checkpoint falls at the next even step).
     2. --resume, its replayed weights forced to differ from the published ones (the test hook
        INFLIGHT_FAULT_REPLAY_PERTURB: the trainer must continue from the published weights,
        orchestrator/trainer/restore.py), with the trainer set to die right after it journaled (and published) the
@@ -71,8 +71,11 @@ def crash_resume_run(tmp_path_factory, rl_model) -> CrashResumeRun:
     log = root / "out.log"
     proc = run_in(root, [str(config), "--run-dir", str(run_dir), "--max-steps", str(max_steps)], log)
     try:
-        wait_for(lambda: steps_done() >= 6 and any(s % 2 for s in journaled_steps(run_dir)), 900, proc, log,
-                 "six steps and an odd journaled step")
+        # The odd step published too: killed between its journal entry and its publish, the resume
+        # would have no published weights to compare its replay with (nothing then differs).
+        wait_for(lambda: steps_done() >= 6 and any(s % 2 and (run_dir / "weights" / f"v{s:08d}" / "COMPLETE").exists()
+                                                   for s in journaled_steps(run_dir)), 900, proc, log,
+                 "six steps and an odd journaled step, published")
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(30)
     finally:
