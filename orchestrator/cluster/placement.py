@@ -49,18 +49,18 @@ def actor_in(actor_class, group, index: int, bundle: dict[str, float], name: str
 
 def bundle_nodes(group) -> tuple[dict[int, str], dict[str, str]]:
     """Where Ray holds each bundle of `group` now ({index: node id}; a bundle Ray is placing again, its
-    node dead, has none), and the nodes alive ({node id: address})."""
+    node dead, has none), and the nodes alive ({node id: address, None where Ray gave none})."""
     import ray
     from ray.util import placement_group_table
 
     table = placement_group_table(group)
     placed = {int(index): node for index, node in table.get("bundles_to_node_id", {}).items() if node}
-    alive = {n["NodeID"]: n.get("NodeManagerAddress", "") for n in ray.nodes() if n.get("Alive")}
+    alive = {n["NodeID"]: n.get("NodeManagerAddress") for n in ray.nodes() if n.get("Alive")}
     return placed, alive
 
 
 def bundles_to_fill(*, replace: bool, stopping: bool, free: set[int] | dict[int, object], placing: set[int],
-                    placed: dict[int, str], alive: dict[str, str] | set[str]) -> list[int]:
+                    placed: dict[int, str], alive: dict[str, str | None] | set[str]) -> list[int]:
     """The bundles to place a new engine in now: each held by no engine (its engine was lost for good),
     not being filled already, and placed by Ray on a node that is alive: a node that joined the cluster
     offering the role's resource, or one that had room. None while the run stops, nor without

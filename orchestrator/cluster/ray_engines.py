@@ -291,7 +291,7 @@ class RayPlacement:
         actor = actor_in(EngineHost, self.group, index, bundle, engine_id).remote(engine_id)
         return RayServerEngine(config, engine_id, actor, bundle=index)
 
-    def bundle_nodes(self) -> tuple[dict[int, str], dict[str, str]]:
+    def bundle_nodes(self) -> tuple[dict[int, str], dict[str, str | None]]:
         """({bundle index: node id} of the engines' group, {alive node id: address}), bounded in time."""
         return within(CALL_TIMEOUT_S, lambda: bundle_nodes(self.group))
 

@@ -149,7 +149,7 @@ async def replace_lost(loop, tg, probe_s: float = REPLACE_PROBE_S) -> None:
         for index in bundles_to_fill(replace=loop.run.config.fleet.replace, stopping=loop.stop_requested.is_set(), free=side.free,
                                      placing=side.placing, placed=placed, alive=alive):
             side.placing.add(index)
-            tg.start_soon(place_in, loop, tg, index, alive.get(placed[index], ""))
+            tg.start_soon(place_in, loop, tg, index, alive[placed[index]])
 
 
 async def retire(loop, engine_id: str) -> None:
@@ -172,7 +172,7 @@ async def retire(loop, engine_id: str) -> None:
         keeper.busy.discard(engine_id)
 
 
-async def place_in(loop, tg, index: int, node_ip: str) -> None:
+async def place_in(loop, tg, index: int, node_ip: str | None) -> None:
     """Start a new engine in bundle `index` (on `node_ip`, where Ray placed it) and bring it in as any
     joiner (`FleetKeeper.enter`: the live version first, then rollouts); then watch it. A start that
     fails leaves the bundle free for the next probe, at most `REPLACE_ATTEMPTS` times."""
