@@ -64,7 +64,15 @@ def die_with_parent(parent_pid: int | None) -> None:
     """SIGKILL this process when its parent ends (and now, if it already has)."""
     import ctypes
 
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    libc = ctypes.CDLL(None, use_errno=True)
+    # prctl is variadic and its options are unsigned longs: typed, so that no register's upper
+    # half reaches the kernel as part of the signal number (which it would refuse, EINVAL).
+    libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        # Unarmed, this process would outlive its parent unseen: leave now rather than run orphaned.
+        errno = ctypes.get_errno()
+        os.write(2, f"inflight: prctl(PR_SET_PDEATHSIG) failed ({os.strerror(errno)}): exiting\n".encode())
+        os.kill(os.getpid(), signal.SIGKILL)
     if parent_pid is not None and os.getppid() != parent_pid:  # the parent ended before the prctl
         os.kill(os.getpid(), signal.SIGKILL)
 

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from importlib.metadata import entry_points
+from pathlib import Path
 
 from transports.engine_signals import ENGINE_CHILD_ENV
 
@@ -62,39 +63,81 @@ CHAIN = """
 import multiprocessing, os, sys, time
 from transports.engine_signals import register
 
-def grandchild():
-    register()  # the engine core's part: dies with its parent (the API server)
+def grandchild(late):
+    # The engine core's part: it dies with its parent (the API server). `late`: the parent is
+    # killed before this registers (the go file appears only once it is gone).
+    if late:
+        print(os.getpid(), flush=True)
+        while not os.path.exists(sys.argv[1]):
+            time.sleep(0.01)
+    register()
+    if not late:
+        print(os.getpid(), flush=True)  # armed: only now may the test kill the parent
     time.sleep(600)
 
 if __name__ == "__main__":
     ctx = multiprocessing.get_context("spawn")
-    p = ctx.Process(target=grandchild)
+    p = ctx.Process(target=grandchild, args=(sys.argv[2] == "late",))
     p.start()
-    print(p.pid, flush=True)
     time.sleep(600)
 """
+
+
+def start_chain(tmp_path, env: dict, mode: str) -> tuple[subprocess.Popen, int, Path]:
+    """The chain's parent and its child's pid, read from the child itself (its stdout is the
+    parent's): for "armed", once the child has registered."""
+    import select
+
+    script = tmp_path / "chain.py"
+    script.write_text(CHAIN)
+    go = tmp_path / "go"
+    parent = subprocess.Popen([sys.executable, str(script), str(go), mode], stdout=subprocess.PIPE, env=env, text=True)
+    ready, _, _ = select.select([parent.stdout], [], [], 120)
+    assert ready, "the chain's child printed no pid within 120 s"
+    return parent, int(parent.stdout.readline()), go
+
+
+def kill_and_wait(parent: subprocess.Popen) -> None:
+    import signal
+
+    parent.send_signal(signal.SIGKILL)
+    parent.wait(30)
+    parent.stdout.close()
+
+
+def wait_gone(pid: int, within_s: float = 30.0) -> bool:
+    import time
+
+    deadline = time.monotonic() + within_s
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not _alive(pid)
 
 
 def test_with_die_with_parent_an_engines_child_ends_when_its_parent_is_killed(tmp_path):
     """What ends a Ray-placed server's engine core when the actor's kill took only the server:
     SIGKILL the parent, and the child (a grandchild of no watchdog) is gone too."""
-    import signal
-    import time
-
     from transports.engine_signals import DIE_WITH_PARENT_ENV
 
-    script = tmp_path / "chain.py"
-    script.write_text(CHAIN)
     env = {**os.environ, ENGINE_CHILD_ENV: "1", DIE_WITH_PARENT_ENV: "1"}
-    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, env=env, text=True)
-    child = int(parent.stdout.readline())
-    assert os.path.exists(f"/proc/{child}")
-    parent.send_signal(signal.SIGKILL)
-    parent.wait(10)
-    deadline = time.monotonic() + 10
-    while _alive(child) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not _alive(child)
+    parent, child, _ = start_chain(tmp_path, env, "armed")
+    assert _alive(child)
+    kill_and_wait(parent)
+    assert wait_gone(child), _describe(child)
+
+
+def test_a_child_that_registers_after_its_parent_died_ends_at_once(tmp_path):
+    """The race the parent-death signal cannot cover: the parent is gone before the child arms it
+    (an engine core still importing when its server is killed). The child finds its parent changed
+    and ends itself."""
+    from transports.engine_signals import DIE_WITH_PARENT_ENV
+
+    env = {**os.environ, ENGINE_CHILD_ENV: "1", DIE_WITH_PARENT_ENV: "1"}
+    parent, child, go = start_chain(tmp_path, env, "late")
+    kill_and_wait(parent)
+    assert _alive(child)  # orphaned and still running: not yet registered
+    go.touch()
+    assert wait_gone(child), _describe(child)
 
 
 def test_without_it_the_child_outlives_its_parent(tmp_path):
@@ -102,13 +145,8 @@ def test_without_it_the_child_outlives_its_parent(tmp_path):
     import signal
     import time
 
-    script = tmp_path / "chain.py"
-    script.write_text(CHAIN)
-    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
-                              env={**os.environ, ENGINE_CHILD_ENV: "1"}, text=True)
-    child = int(parent.stdout.readline())
-    parent.send_signal(signal.SIGKILL)
-    parent.wait(10)
+    parent, child, _ = start_chain(tmp_path, {**os.environ, ENGINE_CHILD_ENV: "1"}, "armed")
+    kill_and_wait(parent)
     time.sleep(1.0)
     try:
         assert _alive(child)
@@ -117,6 +155,16 @@ def test_without_it_the_child_outlives_its_parent(tmp_path):
             os.kill(child, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def _describe(pid: int) -> str:
+    """What a child that outlived its parent was doing: its state, its parent, where it waits."""
+    try:
+        status = {k: v.strip() for k, v in (line.split(":", 1) for line in open(f"/proc/{pid}/status"))}
+        wchan = open(f"/proc/{pid}/wchan").read()
+    except OSError as e:
+        return f"pid {pid}: {e}"
+    return f"pid {pid} alive: State={status.get('State')} PPid={status.get('PPid')} wchan={wchan}"
 
 
 def _alive(pid: int) -> bool:
