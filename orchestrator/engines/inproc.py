@@ -3,6 +3,7 @@ child processes; vLLM 0.32 always runs AsyncLLM's core out of process)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from collections.abc import AsyncIterator, Sequence
@@ -59,6 +60,24 @@ def chunk_from_output(completion, finished: bool, prompt_token_ids=None) -> Toke
 CORE_EXIT_WAIT_S = 5.0
 
 
+@contextlib.contextmanager
+def engine_core_env(key: str, value: str):
+    """`key=value` in this process's environment while the engine core is spawned (it inherits it
+    then), and as before afterwards. Left set, every process started from here later inherited it:
+    FORK_WORKER_ENV made any vLLM child of such a process (a server the run starts, a test's
+    subprocess) import vLLM's executor in its plugin hook, seconds each (measured: 0.1 s -> 8 s for
+    a bare spawned child in the suite)."""
+    before = os.environ.get(key)
+    os.environ[key] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = before
+
+
 class InProcessEngine(Engine):
     def __init__(self, config: EngineConfig, engine_id: str = "engine-0") -> None:
         self.config = config.validate()
@@ -76,8 +95,6 @@ class InProcessEngine(Engine):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(self.config.kv_cache_gib)))
         for key, value in SKIP_ISA_PROBE.items():  # inherited by the engine core and worker
             os.environ.setdefault(key, value)
-        # The engine core (spawned: its parent is this process) forks its worker (transports.server_main).
-        os.environ[FORK_WORKER_ENV] = "1" if self.config.start_method == "fork" else "0"
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -107,7 +124,8 @@ class InProcessEngine(Engine):
         args = AsyncEngineArgs(**kwargs)
         log.info("engine.starting", engine=self.engine_id, kind="inproc", model=self.config.model)
         try:
-            with anyio.fail_after(self.config.start_timeout_s):
+            with anyio.fail_after(self.config.start_timeout_s), \
+                    engine_core_env(FORK_WORKER_ENV, "1" if self.config.start_method == "fork" else "0"):
                 # Building the engine blocks (it spawns and waits for the core process).
                 self._llm = await anyio.to_thread.run_sync(AsyncLLM.from_engine_args, args)
         except TimeoutError:

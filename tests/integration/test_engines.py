@@ -260,3 +260,13 @@ def _not_zombie(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return False
+
+
+async def test_a_started_inproc_engine_leaves_this_processes_environment_as_it_was(inproc_engine):
+    """Its engine core inherits FORK_WORKER_ENV at its spawn; left set here, every later child of
+    this process inherited it too (a bare spawned child that loads the vLLM plugin then imported
+    vLLM's executor: 8 s instead of 0.1 s, which made test_engine_signals flaky in the suite)."""
+    from transports.server_main import FORK_WORKER_ENV
+
+    assert inproc_engine.llm is not None
+    assert FORK_WORKER_ENV not in os.environ
