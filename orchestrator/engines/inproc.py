@@ -60,22 +60,32 @@ def chunk_from_output(completion, finished: bool, prompt_token_ids=None) -> Toke
 CORE_EXIT_WAIT_S = 5.0
 
 
+_core_env_holders: dict[str, int] = {}  # engines being started that set each key (event loop thread only)
+_core_env_before: dict[str, str | None] = {}
+
+
 @contextlib.contextmanager
 def engine_core_env(key: str, value: str):
-    """`key=value` in this process's environment while the engine core is spawned (it inherits it
-    then), and as before afterwards. Left set, every process started from here later inherited it:
-    FORK_WORKER_ENV made any vLLM child of such a process (a server the run starts, a test's
-    subprocess) import vLLM's executor in its plugin hook, seconds each (measured: 0.1 s -> 8 s for
-    a bare spawned child in the suite)."""
-    before = os.environ.get(key)
+    """`key=value` in this process's environment while engine cores are spawned (each inherits it
+    then), and as before once the last engine starting here is up. Left set, every process started
+    from here later inherited it: FORK_WORKER_ENV made any vLLM child of such a process (a server
+    the run starts, a test's subprocess) import vLLM's executor in its plugin hook, seconds each
+    (measured: 0.1 s -> 8 s for a bare spawned child in the suite). Engines that start at the same
+    time share the setting (one start method a run) and the last one out restores it."""
+    if not _core_env_holders.get(key):
+        _core_env_before[key] = os.environ.get(key)
+    _core_env_holders[key] = _core_env_holders.get(key, 0) + 1
     os.environ[key] = value
     try:
         yield
     finally:
-        if before is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = before
+        _core_env_holders[key] -= 1
+        if not _core_env_holders[key]:
+            before = _core_env_before.pop(key, None)
+            if before is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = before
 
 
 class InProcessEngine(Engine):

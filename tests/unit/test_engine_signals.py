@@ -173,3 +173,23 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return False
+
+
+def test_the_fork_worker_setting_is_set_while_engine_cores_start_and_restored_by_the_last(monkeypatch):
+    """Two in-process engines starting at once: the setting holds until the second is up (its
+    engine core may be spawned last), then the environment is as it was, unset or set."""
+    from orchestrator.engines.inproc import engine_core_env
+    from transports.server_main import FORK_WORKER_ENV
+
+    monkeypatch.delenv(FORK_WORKER_ENV, raising=False)
+    first, second = engine_core_env(FORK_WORKER_ENV, "1"), engine_core_env(FORK_WORKER_ENV, "1")
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    assert os.environ[FORK_WORKER_ENV] == "1"
+    second.__exit__(None, None, None)
+    assert FORK_WORKER_ENV not in os.environ
+    monkeypatch.setenv(FORK_WORKER_ENV, "0")
+    with engine_core_env(FORK_WORKER_ENV, "1"):
+        assert os.environ[FORK_WORKER_ENV] == "1"
+    assert os.environ[FORK_WORKER_ENV] == "0"
