@@ -67,10 +67,11 @@ class RayOnHosts:
     def address(self) -> str:
         return f"{self.hosts[self.head].address}:{RAY_PORT}"
 
-    def start(self) -> RayOnHosts:
+    def start(self, later: tuple[int, ...] = ()) -> RayOnHosts:
+        """The head, then every other host but those `later` names (they `join` when the caller says)."""
         self.join(self.head)
         for host in self.hosts:
-            if host.index != self.head:
+            if host.index != self.head and host.index not in later:
                 self.join(host.index)
         return self
 
@@ -93,7 +94,8 @@ class RayOnHosts:
 
 
 def write_cluster_config(path: Path, model: Path, address: str, *, engines: int = 2, trainer_nodes: int = 1,
-                 extra: str = "") -> Path:
+                 extra: str = "", max_engines: int | None = None) -> Path:
+    most = f", max_count = {max_engines}" if max_engines is not None else ""
     trainer = '\ntrainer = { nodes = %d, node_resource = "trainer" }' % trainer_nodes if trainer_nodes > 1 else ""
     path.write_text(f"""
 [engine]
@@ -109,7 +111,7 @@ keep_last = 64
 [cluster]
 backend = "ray"
 address = "{address}"
-engines = {{ count = {engines}, node_resource = "engine" }}{trainer}
+engines = {{ count = {engines}{most}, node_resource = "engine" }}{trainer}
 {extra}
 """)
     return path

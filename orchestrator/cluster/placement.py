@@ -34,6 +34,14 @@ def reserve(name: str, bundle: dict[str, float], count: int, strategy: str, time
     return group
 
 
+def pending_group(name: str, bundle: dict[str, float]):
+    """A placement group of one `bundle`, not waited for: Ray holds it pending until a node has room
+    (one joins offering the resource), and places it then (`bundle_nodes` says where)."""
+    from ray.util.placement_group import placement_group
+
+    return placement_group([dict(bundle)], strategy="PACK", name=name)
+
+
 def actor_in(actor_class, group, index: int, bundle: dict[str, float], name: str):
     """`actor_class` (a plain class) made a Ray actor reserving `bundle` in bundle `index` of `group`;
     never restarted by Ray (a lost engine or trainer node is the run's event, not Ray's to repeat)."""
@@ -68,6 +76,22 @@ def bundles_to_fill(*, replace: bool, stopping: bool, free: set[int] | dict[int,
     if not replace or stopping:
         return []
     return sorted(i for i in free if i not in placing and placed.get(i) in alive)
+
+
+GROW, RELEASE, WATCH = "grow", "release", "watch"
+
+
+def growth_step(*, max_count: int, members: int, starting: int, free: int, stopping: bool,
+                pending: bool, given_up: bool) -> str | None:
+    """The fleet's growth past `cluster.engines.count`, up to `max_count`, one engine at a time: a
+    pending one-bundle group is the demand for the next engine; Ray places it when a node joins
+    offering the resource (WATCH: look where it is; the caller starts the engine once it is placed
+    on a live node). GROW: ask for that group; RELEASE: give the pending one back, because the run
+    stops, the fleet is full (`members` + `starting` engines), or a lost engine's bundle waits
+    (`free`: a replacement comes first, so that a node that joins is given to it); None: nothing."""
+    if stopping or given_up or free or members + starting >= max_count:
+        return RELEASE if pending else None
+    return WATCH if pending else GROW
 
 
 def release(group) -> None:

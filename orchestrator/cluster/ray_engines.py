@@ -32,7 +32,7 @@ from pathlib import Path
 import anyio
 import msgspec
 
-from orchestrator.cluster.placement import actor_in, bundle_nodes, bundle_of, kill_actor, release, reserve
+from orchestrator.cluster.placement import actor_in, bundle_nodes, bundle_of, kill_actor, pending_group, release, reserve
 from orchestrator.config.cluster import ClusterConfig
 from orchestrator.config.run import EngineConfig
 from orchestrator.engines.process_group import terminate_process_group
@@ -158,10 +158,12 @@ class EngineHost:
 class RayServerEngine(ServerEngine):
     """A server engine whose process an `EngineHost` actor starts on a Ray node."""
 
-    def __init__(self, config: EngineConfig, engine_id: str, actor, bundle: int | None = None) -> None:
+    def __init__(self, config: EngineConfig, engine_id: str, actor, bundle: int | None = None,
+                 group=None) -> None:
         super().__init__(config, engine_id)
         self.actor = actor
         self.bundle = bundle  # its bundle in the engines' placement group: where a replacement goes
+        self.group = group  # an engine past `count`: its own one-bundle group (released when it leaves)
         self.node: dict = {}
         self._gone: str | None = None
         self.lost_for_good: str | None = None  # its actor, node or server died: it never answers again
@@ -283,17 +285,26 @@ class RayPlacement:
                              self.config.start_timeout_s, "engine(s)")
         return [self.engine_in(index, engine_id, config) for index, (engine_id, config) in enumerate(engine_configs)]
 
-    def engine_in(self, index: int, engine_id: str, config: EngineConfig) -> RayServerEngine:
+    def engine_in(self, index: int, engine_id: str, config: EngineConfig, group=None) -> RayServerEngine:
         """An engine whose actor Ray creates in bundle `index` of the group (at start, or in the bundle
-        of a lost engine, which Ray placed again on a node that joined)."""
+        of a lost engine, which Ray placed again on a node that joined), or in `group`, the one-bundle
+        group of an engine past `count` (`grow_group`)."""
         engines = self.config.engines
         bundle = bundle_of(engines.resources, engines.node_resource)
-        actor = actor_in(EngineHost, self.group, index, bundle, engine_id).remote(engine_id)
-        return RayServerEngine(config, engine_id, actor, bundle=index)
+        actor = actor_in(EngineHost, self.group if group is None else group, index, bundle, engine_id).remote(engine_id)
+        return RayServerEngine(config, engine_id, actor, bundle=None if group else index, group=group)
 
-    def bundle_nodes(self) -> tuple[dict[int, str], dict[str, str | None]]:
-        """({bundle index: node id} of the engines' group, {alive node id: address}), bounded in time."""
-        return within(CALL_TIMEOUT_S, lambda: bundle_nodes(self.group))
+    def grow_group(self, serial: int):
+        """The next engine past `count`: a one-bundle group that Ray holds pending until a node has
+        room for it (bounded in time: an unanswered cluster raises TimeoutError)."""
+        engines = self.config.engines
+        bundle = bundle_of(engines.resources, engines.node_resource)
+        return within(CALL_TIMEOUT_S, lambda: pending_group(f"inflight-{self.run_id}-grow-{serial}", bundle))
+
+    def bundle_nodes(self, group=None) -> tuple[dict[int, str], dict[str, str | None]]:
+        """({bundle index: node id} of the engines' group, or of `group`; {alive node id: address}),
+        bounded in time."""
+        return within(CALL_TIMEOUT_S, lambda: bundle_nodes(self.group if group is None else group))
 
     def close(self) -> None:
         """Release the placement group and leave the cluster (never stops the cluster itself)."""

@@ -23,10 +23,20 @@ class ClusterEngines(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     node_resource: str | None = None
     # How the placement group spreads the engines' bundles over nodes (Ray's strategies).
     strategy: Literal["SPREAD", "PACK", "STRICT_SPREAD", "STRICT_PACK"] = "SPREAD"
+    # Grow past `count` up to this many engines, one at a time, as nodes join (or have room) offering
+    # the engines' resources; None: `count` (the fleet on the cluster does not grow).
+    max_count: int | None = None
+
+    @property
+    def most(self) -> int:
+        return self.count if self.max_count is None else self.max_count
 
     def validate(self) -> ClusterEngines:
         if self.count < 1:
             raise ConfigError("cluster.engines.count", f"must be >= 1, got {self.count}")
+        if self.max_count is not None and self.max_count < self.count:
+            raise ConfigError("cluster.engines.max_count", f"must be >= cluster.engines.count ({self.count}), "
+                                                           f"got {self.max_count}")
         for name, amount in self.resources.items():
             if not amount >= 0:
                 raise ConfigError(f"cluster.engines.resources.{name}", f"must be >= 0, got {amount}")

@@ -71,6 +71,7 @@ class FleetMembership:
         self._init_args: tuple[dict, dict[str, dict] | None] | None = None  # what `setup` sent
         self._prestaged: dict[str, int] = {}  # engine -> the version it staged before its rejoin
         self.on_member_change = None  # called with (engine, state) after every change of state
+        self.used_ids: set[str] = set()  # ids engines of an earlier incarnation of the run had (resume)
 
     # -- the record ------------------------------------------------------------------------
     def note_served(self, engine_id: str, version: int, tokens: int) -> None:
@@ -105,9 +106,11 @@ class FleetMembership:
     # -- joining -----------------------------------------------------------------------------
     def new_engine_id(self, reserved: set[str] | frozenset[str] = frozenset()) -> str:
         """The next free `engine-<n>` (ids are never reused: records name engines by id), past
-        those `reserved` (engines still starting, not yet members)."""
+        those `reserved` (engines still starting, not yet members) and those an earlier incarnation
+        of a resumed run gave out (`used_ids`): a resumed run's new engine never takes the id of one
+        in the log already."""
         n = len(self.members)
-        while f"engine-{n}" in self.members or f"engine-{n}" in reserved:
+        while f"engine-{n}" in self.members or f"engine-{n}" in reserved or f"engine-{n}" in self.used_ids:
             n += 1
         return f"engine-{n}"
 

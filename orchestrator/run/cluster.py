@@ -15,6 +15,10 @@ differently when the engines live on other hosts.
   and frees its bundle of the placement group; when Ray places that bundle on a node that is alive
   (a node that joined offering the engine resource, or one with room), a new engine is started
   there and joins as any joiner: at the live version first, then rollouts (`replace_lost`).
+- With `cluster.engines.max_count` above `count`, the fleet grows past `count` one engine at a time:
+  a pending one-bundle placement group asks Ray for room for the next engine; when a node has it (one
+  joins offering the engine resource), a new engine is started there and joins the same way
+  (`grow_fleet`, source "growth"). A lost engine's bundle is filled first.
 """
 
 from __future__ import annotations
@@ -50,6 +54,11 @@ class ClusterSide:
         self.free: dict[int, tuple[str, object]] = {}  # bundle -> (the lost engine's id, its config)
         self.placing: set[int] = set()  # bundles a new engine is being started in
         self.attempts: dict[int, int] = {}  # failed starts per bundle
+        self.template = None  # the engines' config (an engine past `count` gets the same)
+        self.growth = None  # the pending one-bundle group of the next engine past `count`
+        self.grown = 0  # growth groups asked for (names them)
+        self.growing = 0  # engines past `count` starting now
+        self.growth_failures = 0  # failed starts in a row of engines past `count`
 
     def rendezvous(self):
         """Node 0's rendezvous for a trainer over several hosts (None: the trainer is this host's)."""
@@ -81,6 +90,7 @@ class ClusterSide:
         return self.node_ip if configured in ("127.0.0.1", "localhost", "::1") else configured
 
     async def place(self, engine_configs) -> list:
+        self.template = engine_configs[0][1]
         self.engines = await anyio.to_thread.run_sync(self._connected,
                                                       lambda: self.placement.place_engines(engine_configs))
         return self.engines
@@ -97,7 +107,14 @@ class ClusterSide:
         return {"url": f"http://{self.node_ip}:{port}", "token": self.token}
 
     async def close(self) -> None:
+        from orchestrator.cluster.placement import release
+
         with anyio.CancelScope(shield=True):
+            groups = [self.growth] + [e.group for e in self.engines if getattr(e, "group", None) is not None]
+            self.growth = None
+            with anyio.move_on_after(30):
+                for group in groups:
+                    await anyio.to_thread.run_sync(release, group)
             if self.trainer_nodes is not None:
                 await self.trainer_nodes.stop()
                 with anyio.move_on_after(30):
@@ -124,6 +141,8 @@ async def watch_engines(loop) -> None:
         tg.start_soon(rejoin_fenced, loop)
         if loop.run.config.fleet.replace:
             tg.start_soon(replace_lost, loop, tg)
+        if side.config.engines.most > side.config.engines.count:
+            tg.start_soon(grow_fleet, loop, tg)
 
 
 async def replace_lost(loop, tg, probe_s: float = REPLACE_PROBE_S) -> None:
@@ -146,8 +165,9 @@ async def replace_lost(loop, tg, probe_s: float = REPLACE_PROBE_S) -> None:
         except Exception as exc:  # noqa: BLE001 - the cluster did not answer: ask again next time
             log.warning("fleet.placement_unknown", error=f"{type(exc).__name__}: {exc}")
             continue
+        room = side.config.engines.most - len(members(loop)) - side.growing - len(side.placing)
         for index in bundles_to_fill(replace=loop.run.config.fleet.replace, stopping=loop.stop_requested.is_set(), free=side.free,
-                                     placing=side.placing, placed=placed, alive=alive):
+                                     placing=side.placing, placed=placed, alive=alive)[:max(0, room)]:
             side.placing.add(index)
             tg.start_soon(place_in, loop, tg, index, alive[placed[index]])
 
@@ -165,9 +185,15 @@ async def retire(loop, engine_id: str) -> None:
         await keeper.close(engine)
         if engine in side.engines:
             side.engines.remove(engine)
-        side.free[engine.bundle] = (engine_id, engine.config)
+        if engine.group is not None:  # past `count`: its own group goes back; growth asks for another
+            from orchestrator.cluster.placement import release
+
+            await anyio.to_thread.run_sync(release, engine.group)
+            log.info("fleet.growth_group_released", engine=engine_id, why=engine.lost_for_good)
+        else:
+            side.free[engine.bundle] = (engine_id, engine.config)
+            log.info("fleet.bundle_free", engine=engine_id, bundle=engine.bundle, why=engine.lost_for_good)
         keeper.log_states()
-        log.info("fleet.bundle_free", engine=engine_id, bundle=engine.bundle, why=engine.lost_for_good)
     finally:
         keeper.busy.discard(engine_id)
 
@@ -210,6 +236,84 @@ async def place_in(loop, tg, index: int, node_ip: str | None) -> None:
         side.placing.discard(index)
         keeper.busy.discard(engine_id)
         keeper.replacing -= 1
+        loop.check_serving()
+
+
+def members(loop) -> list:
+    """The Ray-placed engines still in the fleet (serving, fenced or joining; not those that left)."""
+    return [e for e in loop.run.cluster.engines if e.engine_id in loop.run.fleet.engines]
+
+
+async def grow_fleet(loop, tg, probe_s: float = REPLACE_PROBE_S) -> None:
+    """`cluster.engines.max_count`: every `probe_s`, one step of `growth_step` (ask Ray for room for
+    the next engine past `count`, give that request back, or look whether Ray placed it); once it is
+    placed on a live node, a new engine is started in it (`grow_in`, in `tg`)."""
+    from orchestrator.cluster.placement import GROW, RELEASE, WATCH, growth_step, release
+
+    side: ClusterSide = loop.run.cluster
+    while True:
+        await anyio.sleep(probe_s)
+        step = growth_step(max_count=side.config.engines.most, members=len(members(loop)), starting=side.growing + len(side.placing),
+                           free=len(side.free), stopping=loop.stop_requested.is_set(), pending=side.growth is not None,
+                           given_up=side.growth_failures >= REPLACE_ATTEMPTS)
+        try:
+            if step == RELEASE:
+                group, side.growth = side.growth, None
+                await anyio.to_thread.run_sync(release, group)
+            elif step == GROW:
+                side.grown += 1
+                side.growth = await anyio.to_thread.run_sync(side.placement.grow_group, side.grown)
+                log.info("fleet.growth_asked", engines=len(members(loop)), max_count=side.config.engines.most)
+            elif step == WATCH:
+                placed, alive = await anyio.to_thread.run_sync(side.placement.bundle_nodes, side.growth)
+                if placed.get(0) in alive:
+                    group, side.growth = side.growth, None
+                    side.growing += 1
+                    tg.start_soon(grow_in, loop, tg, group, alive[placed[0]])
+        except Exception as exc:  # noqa: BLE001 - the cluster did not answer: ask again next time
+            log.warning("fleet.placement_unknown", error=f"{type(exc).__name__}: {exc}")
+
+
+async def grow_in(loop, tg, group, node_ip: str | None) -> None:
+    """Start an engine past `count` in `group` (placed on `node_ip`) and bring it in as any joiner; then
+    watch it. A start that fails gives the group back (the next probe asks again), at most
+    `REPLACE_ATTEMPTS` times in a row."""
+    from orchestrator.cluster.placement import release
+
+    side: ClusterSide = loop.run.cluster
+    keeper, fleet = loop.keeper, loop.run.fleet
+    engine_id = fleet.new_engine_id(reserved=keeper.busy)
+    keeper.busy.add(engine_id)
+    keeper.replacing += 1
+    engine, entered = None, False
+    try:
+        log.info("fleet.growing", engine=engine_id, node_ip=node_ip, engines=len(members(loop)),
+                 max_count=side.config.engines.most)
+        engine = await anyio.to_thread.run_sync(side.placement.engine_in, 0, engine_id, side.template, group)
+        try:
+            await engine.start()
+            await keeper.enter(engine, source="growth")
+        except Exception as exc:  # noqa: BLE001 - named; the next probe asks for room again
+            side.growth_failures += 1
+            log.warning("fleet.growth_failed", engine=engine_id, node_ip=node_ip, attempt=side.growth_failures,
+                        error=str(exc))
+            if side.growth_failures >= REPLACE_ATTEMPTS:
+                log.warning("fleet.growth_given_up", attempts=REPLACE_ATTEMPTS)
+            return
+        entered = True
+        side.growth_failures = 0
+        side.engines.append(engine)
+        tg.start_soon(engine.watch, loop.engine_lost, side.config.unreachable_s)
+    finally:
+        with anyio.CancelScope(shield=True):
+            if not entered:  # failed, or cancelled while it started: its actor and group go back
+                if engine is not None and engine_id not in fleet.members:  # a member: the run closes it
+                    await keeper.close(engine)
+                with anyio.move_on_after(30):
+                    await anyio.to_thread.run_sync(release, group)
+        keeper.busy.discard(engine_id)
+        keeper.replacing -= 1
+        side.growing -= 1
         loop.check_serving()
 
 

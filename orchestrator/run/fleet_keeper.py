@@ -69,7 +69,10 @@ class FleetKeeper:
 
     # -- the task ----------------------------------------------------------------------------
     async def main(self) -> None:
-        joined_before = joined_urls(self._log_path) if getattr(self.run, "resume", False) else []
+        resumed = getattr(self.run, "resume", False)
+        joined_before = joined_urls(self._log_path) if resumed else []
+        if resumed:  # the ids engines had before the resume stay theirs (records name engines by id)
+            self.fleet.used_ids |= logged_engine_ids(self._log_path)
         self.log_states()
         try:
             async with anyio.create_task_group() as tg:
@@ -454,6 +457,23 @@ def _replaceable(engine) -> bool:
 async def _answers_again(engine) -> bool:
     check = getattr(engine, "answers_again", None)
     return bool(check is not None and await check())
+
+
+def logged_engine_ids(path: Path) -> set[str]:
+    """Every engine id RUN_DIR/fleet.jsonl names (a torn last line skipped)."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return set()
+    ids = set()
+    for line in lines:
+        try:
+            member = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(member, dict) and isinstance(member.get("engine"), str):
+            ids.add(member["engine"])
+    return ids
 
 
 def joined_urls(path: Path) -> list[str]:

@@ -21,5 +21,5 @@ def make_hosts(n: int, base: Path, model: Path) -> Hosts:
         pytest.skip(f"namespace hosts unavailable here: {exc}")
 
 
-def start_cluster(hosts: Hosts, resources: dict[int, dict]) -> RayOnHosts:
-    return RayOnHosts(hosts, resources=resources).start()
+def start_cluster(hosts: Hosts, resources: dict[int, dict], later: tuple[int, ...] = ()) -> RayOnHosts:
+    return RayOnHosts(hosts, resources=resources).start(later)

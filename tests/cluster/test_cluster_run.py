@@ -1,10 +1,11 @@
-"""`inflight run` over four hosts (network namespaces joined by a real Ray cluster), and the faults of a
+"""`inflight run` over five hosts (network namespaces joined by a real Ray cluster), and the faults of a
 multi-host run, each asserted by its own test over one shared scenario (one engine start per phase is
 what a CPU affords):
 
   host 0: the orchestrator, the Ray head, trainer node 0 (rank 0: the link, the run directory)
   host 1, host 2: one vLLM server engine each (Ray resource "engine")
   host 3: trainer node 1 (Ray resource "trainer"): FSDP2 over gloo across hosts 0 and 3
+  host 4: joins the Ray cluster only mid-run, offering the engine resource (the fleet grows onto it)
 
 The scenario, in order (the run has `fleet.replace = true`): ten steps; host 2's link cut (its engine
 fenced, the run goes on) and restored (the engine rejoins at the live version, then serves; a cut link
@@ -12,8 +13,10 @@ is not a loss, nothing is replaced); host 1 killed (Ray's node death: the engine
 with one); host 1 back, its Ray node joins offering the engine resource: Ray places the lost engine's
 bundle there and the run starts a replacement in it, which joins at the live version and serves; host 3
 killed (the trainer node: the run stops, one named line, exit 2); host 3 back, `--resume` (continues
-exactly once) and the orchestrator SIGKILLed mid-run (within 30 s nothing of the run is left on any
-host, its placement groups released); `--resume` to the end.
+exactly once); host 4's node joins with nothing lost: the fleet (`count = 2, max_count = 3`) grows onto
+it, the new engine joining at the live version; the orchestrator SIGKILLed mid-run (within 30 s nothing
+of the run is left on any host, its placement groups released); `--resume` to the end (three engines
+from its start: the cluster has room for them).
 Counted from outside, on the replay log: no rollout id twice, every dispatched rollout one terminal
 record, every step consumed once, no version applied by part of the fleet.
 """
@@ -88,12 +91,12 @@ def scenario(tmp_path_factory, rl_model):
     base = tmp_path_factory.mktemp("cluster")
     run_dir = base / "run"
     s = Scenario()
-    hosts = make_hosts(4, base, rl_model)
+    hosts = make_hosts(5, base, rl_model)
     ray = None
     try:
-        ray = start_cluster(hosts, {1: ENGINE, 2: ENGINE, 3: TRAINER})
+        ray = start_cluster(hosts, {1: ENGINE, 2: ENGINE, 3: TRAINER, 4: ENGINE}, later=(4,))
         config = write_cluster_config(base / "config.toml", rl_model, ray.address, engines=2, trainer_nodes=2,
-                              extra="unreachable_s = 8.0\n[fleet]\nreplace = true")
+                                      max_engines=3, extra="unreachable_s = 8.0\n[fleet]\nreplace = true")
         s.facts.update(hosts=hosts, run_dir=run_dir, address=ray.address)
         run = ClusterRun(hosts, config, run_dir, 400)
         with s.phase("ten_steps"):
@@ -159,7 +162,20 @@ def scenario(tmp_path_factory, rl_model):
             ray.join(3)
             steps = consumed_steps(run_dir)
             resumed = ClusterRun(hosts, config, run_dir, 400, "--resume")
+            resumed.wait_for(lambda: consumed_steps(run_dir) >= steps + 1, 600, "a step after --resume")
+            started = time.monotonic()
+            ray.join(4)  # a node offering the engine resource joins with nothing lost: room past `count`
+            node_joined = time.monotonic()
+            grown = resumed.wait_for(lambda: [e for e in resumed.events("fleet.joined") if e["source"] == "growth"],
+                                     300, "an engine past count on the node that joined")
+            serving = time.monotonic()
+            new = grown[0]["engine"]
+            resumed.wait_for(lambda: len(completed_on(run_dir, new)) >= 2, 300, "rollouts on the engine past count")
             resumed.wait_for(lambda: consumed_steps(run_dir) >= steps + 2, 600, "steps after --resume")
+            s.facts["grown"] = dict(
+                engine=new, joined=grown[0], placed=[e for e in resumed.events("engine.placed") if e["engine"] == new],
+                growing=[e for e in resumed.events("fleet.growing") if e["engine"] == new],
+                seconds=dict(node_join=node_joined - started, to_serving=serving - node_joined))
             resumed.proc.send_signal(signal.SIGKILL)
             killed_at = time.monotonic()
             left = {}
@@ -194,7 +210,8 @@ def scenario(tmp_path_factory, rl_model):
                                   processes=[p for p in pids if Path(f"/proc/{p}").exists()],
                                   scratch=Path(scratch).exists())
     print(f"\nscenario phases (s): {s.seconds}; the replacement's (s): "
-          f"{s.facts.get('engine_host_replaced', {}).get('seconds')}")
+          f"{s.facts.get('engine_host_replaced', {}).get('seconds')}; the engine past count's (s): "
+          f"{s.facts.get('grown', {}).get('seconds')}")
     yield s
 
 
@@ -218,7 +235,7 @@ def isolation(hosts, run_dir: Path) -> dict:
     return out
 
 
-def test_ten_steps_over_four_hosts_engines_and_trainer_ranks_placed_by_ray(scenario):
+def test_ten_steps_over_five_hosts_engines_and_trainer_ranks_placed_by_ray(scenario):
     scenario.need("ten_steps", "finished")
     hosts, facts = scenario.facts["hosts"], scenario.facts
     placed = facts["ten_steps"]["placed"]
@@ -231,11 +248,14 @@ def test_ten_steps_over_four_hosts_engines_and_trainer_ranks_placed_by_ray(scena
 
 
 def test_every_engine_served_and_each_record_names_it(scenario):
-    scenario.need("ten_steps", "engine_host_replaced")
+    scenario.need("ten_steps", "engine_host_replaced", "orchestrator_killed", "finished")
     run_dir = scenario.facts["run_dir"]
     served = {r.engine_id for r in read_records(run_dir) if isinstance(r, RolloutRecord) and r.status_name == "completed"}
-    assert served == set(scenario.facts["ten_steps"]["placed"]) | {scenario.facts["engine_host_replaced"]["engine"]}, \
+    facts = scenario.facts
+    assert served >= set(facts["ten_steps"]["placed"]) | {facts["engine_host_replaced"]["engine"], facts["grown"]["engine"]}, \
         served
+    history = [json.loads(line) for line in (run_dir / "fleet.jsonl").read_text().splitlines()]
+    assert served <= {h["engine"] for h in history}, (served, history)  # every engine that served is in the fleet's log
 
 
 def test_the_log_holds_exactly_once_across_every_fault_and_resume(scenario):
@@ -309,16 +329,7 @@ def test_a_node_that_joins_gets_the_lost_engines_replacement_which_serves_from_t
     assert new not in scenario.facts["ten_steps"]["placed"]  # a new engine, not the lost one back
     assert [e["node_ip"] for e in facts["placed"]] == [hosts[1].address], facts["placed"]  # on the node that joined
     assert [e["engine"] for e in facts["replacing"]] == [lost], facts["replacing"]
-    records = list(read_records(run_dir))
-    mine = sorted((r for r in records if isinstance(r, RolloutRecord) and r.engine_id == new),
-                  key=lambda r: r.timings.dispatched_at)
-    assert mine and version >= 1
-    # Its first rollout samples the version live at its join (or one that went live since, before it).
-    joined_ts = datetime.fromisoformat(facts["joined"]["timestamp"].replace("Z", "+00:00")).timestamp()
-    since = [a.version for a in records if isinstance(a, ActivationRecord) and a.outcome == "activated"
-             and a.activated_at is not None and joined_ts < a.activated_at <= mine[0].timings.dispatched_at]
-    assert mine[0].dispatched_version == max(since, default=version), (mine[0].dispatched_version, version, since)
-    assert all(r.version_span[0] >= version for r in mine if r.num_completion_tokens)
+    mine = served_from_the_live_version(run_dir, new, facts["joined"])
     history = [json.loads(line) for line in (run_dir / "fleet.jsonl").read_text().splitlines()]
     assert [h["state"] for h in history if h["engine"] == new][:2] == ["joining", "serving"], history
     assert {h["source"] for h in history if h["engine"] == new} == {f"replacement of {lost}"}
@@ -327,6 +338,38 @@ def test_a_node_that_joins_gets_the_lost_engines_replacement_which_serves_from_t
                                       timeout=300, check=True).stdout)
     assert stats["engines"][new]["rollouts"] == len(mine) and stats["engines"][new]["first_version"] >= version
     assert new in [h["engine"] for h in stats["fleet"]]
+
+
+def served_from_the_live_version(run_dir: Path, engine: str, joined: dict) -> list[RolloutRecord]:
+    """`engine`'s rollouts (by dispatch time), having checked that the first samples the version live at its
+    join (`joined`: its `fleet.joined` event), or one that went live since, and none an older one."""
+    version = joined["version"]
+    records = list(read_records(run_dir))
+    mine = sorted((r for r in records if isinstance(r, RolloutRecord) and r.engine_id == engine),
+                  key=lambda r: r.timings.dispatched_at)
+    assert mine and version >= 1
+    joined_ts = datetime.fromisoformat(joined["timestamp"].replace("Z", "+00:00")).timestamp()
+    since = [a.version for a in records if isinstance(a, ActivationRecord) and a.outcome == "activated"
+             and a.activated_at is not None and joined_ts < a.activated_at <= mine[0].timings.dispatched_at]
+    assert mine[0].dispatched_version == max(since, default=version), (mine[0].dispatched_version, version, since)
+    assert all(r.version_span[0] >= version for r in mine if r.num_completion_tokens)
+    return mine
+
+
+def test_a_node_that_joins_with_room_grows_the_fleet_past_its_count_from_the_live_version(scenario):
+    """Nothing lost, `count = 2`, `max_count = 3`: host 4's node joins offering the engine resource, and a
+    third engine is started there (its own one-bundle placement group) and joins as any joiner."""
+    scenario.need("orchestrator_killed")
+    hosts, run_dir, facts = scenario.facts["hosts"], scenario.facts["run_dir"], scenario.facts["grown"]
+    new = facts["engine"]
+    earlier = set(scenario.facts["ten_steps"]["placed"]) | {scenario.facts["engine_host_replaced"]["engine"]}
+    assert new not in earlier  # a resumed run's new engine gets an id the log never named
+    assert [e["node_ip"] for e in facts["placed"]] == [hosts[4].address], facts["placed"]
+    assert [(e["engines"], e["max_count"]) for e in facts["growing"]] == [(2, 3)], facts["growing"]
+    served_from_the_live_version(run_dir, new, facts["joined"])
+    history = [json.loads(line) for line in (run_dir / "fleet.jsonl").read_text().splitlines()]
+    assert [h["state"] for h in history if h["engine"] == new][:2] == ["joining", "serving"], history
+    assert {h["source"] for h in history if h["engine"] == new} == {"growth"}
 
 
 def test_a_trainer_host_killed_stops_the_run_with_one_named_line_and_exit_2(scenario):

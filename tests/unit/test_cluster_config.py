@@ -48,6 +48,16 @@ def test_what_cluster_does_not_carry_is_refused_by_name():
     with pytest.raises(ConfigError) as info:
         convert({"cluster": {**CLUSTER, "unreachable_s": 0}}, RunConfig, "").validate()
     assert info.value.field == "cluster.unreachable_s"
+    with pytest.raises(ConfigError) as info:
+        convert({"cluster": {**CLUSTER, "engines": {"count": 3, "max_count": 2}}}, RunConfig, "").validate()
+    assert info.value.field == "cluster.engines.max_count" and "cluster.engines.count (3)" in info.value.reason
+
+
+def test_max_count_lets_the_fleet_grow_past_count_and_defaults_to_count():
+    engines = config().cluster.engines
+    assert engines.max_count is None and engines.most == 3
+    grown = convert({"cluster": {**CLUSTER, "engines": {"count": 2, "max_count": 5}}}, RunConfig, "").validate()
+    assert grown.cluster.engines.most == 5 and len(grown.engine_configs()) == 2  # starts with count
 
 
 def test_a_trainer_over_several_hosts_refuses_what_only_one_process_can_do():

@@ -91,3 +91,44 @@ async def test_the_rejoin_probe_leaves_alone_an_engine_that_is_joining_or_leavin
         await rejoin_fenced(loop, probe_s=0.01)
     assert joining.asked == 0 and "engine-2" in fleet.coordinator.fenced
     assert fleet.rejoined == ["engine-0"] and [u.engine for u in ups] == ["engine-0"]
+
+
+# -- growth past `cluster.engines.count` (`growth_step`) ------------------------------------------
+
+def grow(**changes) -> str | None:
+    from orchestrator.cluster.placement import growth_step
+
+    args = dict(max_count=3, members=2, starting=0, free=0, stopping=False, pending=False, given_up=False)
+    args.update(changes)
+    return growth_step(**args)
+
+
+def test_below_max_count_room_is_asked_for_then_watched():
+    from orchestrator.cluster.placement import GROW, WATCH
+
+    assert grow() == GROW  # no request yet: ask Ray for a one-bundle group
+    assert grow(pending=True) == WATCH  # asked: look whether a node took it
+
+
+def test_a_full_fleet_asks_for_nothing_and_gives_back_what_it_asked_for():
+    from orchestrator.cluster.placement import RELEASE
+
+    assert grow(members=3) is None
+    assert grow(members=2, starting=1) is None  # one past count is starting: that is the third
+    assert grow(members=3, pending=True) == RELEASE
+    assert grow(max_count=2, members=2) is None  # max_count = count: never grows
+
+
+def test_a_lost_engines_bundle_is_filled_before_the_fleet_grows():
+    from orchestrator.cluster.placement import RELEASE
+
+    # One of two lost, its bundle free: a node that joins must get the replacement, not growth.
+    assert grow(members=1, free=1) is None
+    assert grow(members=1, free=1, pending=True) == RELEASE
+
+
+def test_no_growth_while_the_run_stops_or_after_repeated_failed_starts():
+    from orchestrator.cluster.placement import RELEASE
+
+    assert grow(stopping=True) is None and grow(stopping=True, pending=True) == RELEASE
+    assert grow(given_up=True) is None and grow(given_up=True, pending=True) == RELEASE

@@ -136,3 +136,24 @@ def test_a_resume_joins_again_the_servers_that_joined_by_url_and_had_not_left(tm
                    + line("engine-5", "fleet add", "fenced", "http://h:5") + '{"at": 1.0, "engi')
     assert joined_urls(log) == ["http://h:2", "http://h:5"]
     assert joined_urls(tmp_path / "none.jsonl") == []
+
+
+def test_a_resumed_runs_new_engine_never_takes_an_id_the_log_already_names(tmp_path):
+    """Records name engines by id: after a resume, a replacement or an engine past `count` must not
+    be called engine-2 again when an engine of the earlier incarnation was."""
+    from orchestrator.fleet.fleet import Fleet
+    from orchestrator.run.fleet_keeper import logged_engine_ids
+
+    log = tmp_path / "fleet.jsonl"
+    log.write_text("".join(json.dumps({"engine": e, "state": "serving"}) + "\n"
+                           for e in ("engine-0", "engine-1", "engine-2", "engine-4")) + '{"engine": "engine-9')
+    assert logged_engine_ids(log) == {"engine-0", "engine-1", "engine-2", "engine-4"}
+    assert logged_engine_ids(tmp_path / "none.jsonl") == set()
+
+    class Idle:
+        engine_id = ""
+
+    fleet = Fleet([type("E", (Idle,), {"engine_id": e})() for e in ("engine-0", "engine-1")])
+    assert fleet.new_engine_id() == "engine-2"  # a fresh run
+    fleet.used_ids |= logged_engine_ids(log)
+    assert fleet.new_engine_id() == "engine-3" and fleet.new_engine_id(reserved={"engine-3"}) == "engine-5"
