@@ -249,16 +249,20 @@ class RayPlacement:
         self.config, self.run_id = config, run_id
         self.node_ip = node_ip  # this host's address in the cluster, named to Ray (`ClusterSide.node_ip`)
         self.group = None
+        self._connecting = threading.Lock()
 
     def connect(self) -> None:
-        """Join the Ray cluster at `cluster.address` (once), or refuse it by name, bounded in time."""
+        """Join the Ray cluster at `cluster.address` (once), or refuse it by name, bounded in time.
+        The trainer's nodes and the engines are placed from two threads at once: one joins, the
+        other waits for it."""
         ray = import_ray()
-        if ray.is_initialized():
-            return
-        endpoint = gcs_endpoint(self.config.address)
-        if endpoint is not None:
-            probe_gcs(*endpoint)
-        self._init(ray, "{}:{}".format(*endpoint) if endpoint else self.config.address)
+        with self._connecting:
+            if ray.is_initialized():
+                return
+            endpoint = gcs_endpoint(self.config.address)
+            if endpoint is not None:
+                probe_gcs(*endpoint)
+            self._init(ray, "{}:{}".format(*endpoint) if endpoint else self.config.address)
 
     def _init(self, ray, where: str) -> None:
         # Ray 2.60's `init` has no deadline of its own (a port that accepts and never answers, a GCS

@@ -236,34 +236,12 @@ class Run:
         # Every call into the user's code (steps, tools, agents) runs through one runner: one
         # thread for each rollout the scheduler may keep in flight (tasks/user_code.py).
         user_code = UserCode(threads=config.scheduler.max_inflight)
-        with self.startup.phase("task"):
-            # In the runner's daemon thread, bounded: a factory that blocks cannot hang the start.
-            self.task = await user_code.call(lambda: make_task(
-                config.task, model_dir, search_path=self.search_path, sampling=self.sampling, user_code=user_code),
-                timeout_s=config.task.build_timeout_s, what=f"building the task ({_task_source(config.task)})")
-        self._serve_agent_endpoint()
-        # A multi-turn task's reward is its episode's: no scoring pool to start.
-        pool = "thread" if getattr(self.task, "episodic", False) else config.task.scoring_pool
-        self.scorer = make_scorer(self.task, pool=pool, workers=config.task.score_workers,
-                                  timeout_s=config.task.score_timeout_s,
-                                  builder=functools.partial(make_task, config.task, model_dir,
-                                                            search_path=self.search_path, scoring_only=True,
-                                                            sampling=self.sampling))
-        self.evaluator = await self._evaluator(model_dir)
-        self.progress.state.status = "starting the trainer and engines"
-        self.progress.refresh()
+        # The trainer needs nothing of the task: it loads its model while the task builds (a few
+        # seconds of imports and the tokenizer), the engines start and the scoring workers build
+        # theirs. A task that fails to build stops it (`_teardown`), as any start-up failure.
         self.trainer = TrainerProcess(config, self.run_dir, model_dir, resume=self.resume,
                                       rendezvous=self.cluster and self.cluster.rendezvous())
-        engine_configs = [(engine_id, msgspec.structs.replace(engine_config, model=model_dir,
-                                                              logprobs_mode=self.logprobs_mode))
-                          for engine_id, engine_config in config.engine_configs()]
-        self.engine_base_config = engine_configs[0][1]  # what an engine that joins mid-run is held to
-        if self.cluster is not None:
-            self.engines = []
-            with self.startup.phase("placement"):
-                self.engines = await self.cluster.place(engine_configs)
-        else:
-            self.engines = [make_engine(c, engine_id, log_dir=self.run_dir) for engine_id, c in engine_configs]
+        self.engines = []
         ready = None
 
         async def start_trainer() -> None:
@@ -283,10 +261,34 @@ class Run:
                     for engine in self.engines:
                         engines.start_soon(engine.start)
 
-        # Side by side: the trainer loads its model while the engines start; scoring workers
-        # build the task meanwhile.
         async with anyio.create_task_group() as tg:
             tg.start_soon(start_trainer)
+            with self.startup.phase("task"):
+                # In the runner's daemon thread, bounded: a factory that blocks cannot hang the start.
+                self.task = await user_code.call(lambda: make_task(
+                    config.task, model_dir, search_path=self.search_path, sampling=self.sampling, user_code=user_code),
+                    timeout_s=config.task.build_timeout_s, what=f"building the task ({_task_source(config.task)})")
+            self._serve_agent_endpoint()
+            # A multi-turn task's reward is its episode's: no scoring pool to start.
+            pool = "thread" if getattr(self.task, "episodic", False) else config.task.scoring_pool
+            self.scorer = make_scorer(self.task, pool=pool, workers=config.task.score_workers,
+                                      timeout_s=config.task.score_timeout_s,
+                                      builder=functools.partial(make_task, config.task, model_dir,
+                                                                search_path=self.search_path, scoring_only=True,
+                                                                sampling=self.sampling))
+            self.evaluator = await self._evaluator(model_dir)
+            self.progress.state.status = "starting the trainer and engines"
+            self.progress.refresh()
+            engine_configs = [(engine_id, msgspec.structs.replace(engine_config, model=model_dir,
+                                                                  logprobs_mode=self.logprobs_mode))
+                              for engine_id, engine_config in config.engine_configs()]
+            self.engine_base_config = engine_configs[0][1]  # what an engine that joins mid-run is held to
+            if self.cluster is not None:
+                with self.startup.phase("placement"):
+                    self.engines = await self.cluster.place(engine_configs)
+            else:
+                self.engines = [make_engine(c, engine_id, log_dir=self.run_dir) for engine_id, c in engine_configs]
+            # Side by side with the trainer: the engines start, the scoring workers build the task.
             tg.start_soon(start_scorer)
             tg.start_soon(start_engines)
         self.fleet = _make_fleet(self.engines, config, ready.weights_root)

@@ -125,6 +125,11 @@ class TrainerProcess:
     async def stop(self, timeout_s: float = 30.0) -> None:
         """Ask it to stop, wait (bounded), then kill. Shielded: runs during shutdown."""
         with anyio.CancelScope(shield=True):
+            if self.alive and self.ready is None and not self.resume:
+                # Still starting (the run failed at start-up, e.g. its task did not build): it has
+                # trained nothing, so nothing is lost by not waiting for it to come up to be told.
+                self.kill()
+                await anyio.to_thread.run_sync(self.process.wait)
             if self.alive:
                 try:
                     with anyio.move_on_after(5.0):
