@@ -29,6 +29,7 @@ from orchestrator.tasks.env import Environment, Episode
 TURNS = 4
 PACED_CHUNK_DELAY_S = 0.01  # the paced row: a chunk of 16 tokens every 10 ms, like a real engine's stream
 TURN_TOKENS = 500  # the orchestrator bench's rollout (TOKENS): a turn is a rollout
+PAIRS = 3  # paired measurements behind each zero-latency ratio (their median)
 
 
 class EchoEnvironment(Environment):
@@ -91,21 +92,38 @@ async def _timed(run, loop_type) -> dict:
 
 
 async def multi_turn_overhead(bench_run, orchestrator_rate, model_dir: str, concurrency: int = 64,
-                              episodes: int = 1024, paced_episodes: int = 256) -> dict:
-    """`bench_run`, `orchestrator_rate`: orchestrator.bench.orchestrator's (its caller)."""
+                              episodes: int = 1024, paced_episodes: int = 256, pairs: int = PAIRS) -> dict:
+    """`bench_run`, `orchestrator_rate`: orchestrator.bench.orchestrator's (its caller).
+
+    The zero-latency ratios are the median of `pairs` paired measurements (episodes, then the
+    single-turn rollouts right after): this machine's speed drifts by a third between runs of a
+    few seconds, and a pair sees the same drift on both sides (`..._pairs` lists each)."""
+    import statistics
+
     task = await anyio.to_thread.run_sync(episode_task, model_dir)
-    multi = await episodes_rate(bench_run, task, concurrency, episodes)
+
+    async def single() -> dict:
+        return await orchestrator_rate(concurrency, episodes * TURNS, 0.0, pool="inline", tokens=TURN_TOKENS)
+
+    def ratio(multi: dict, one: dict) -> float:
+        return multi["rollouts_per_s"] / (one["rollouts_per_s"] / TURNS)
+
+    threaded = [(await episodes_rate(bench_run, task, concurrency, episodes), await single()) for _ in range(pairs)]
     paced = await episodes_rate(bench_run, task, concurrency, paced_episodes, chunk_delay_s=PACED_CHUNK_DELAY_S)
     task.runner.close()
     task.runner.env.on_loop = True
-    on_loop = await episodes_rate(bench_run, task, concurrency, episodes)
-    single = await orchestrator_rate(concurrency, episodes * TURNS, 0.0, pool="inline", tokens=TURN_TOKENS)
+    on_loop = [(await episodes_rate(bench_run, task, concurrency, episodes), await single()) for _ in range(pairs)]
     single_paced = await orchestrator_rate(concurrency, paced_episodes * TURNS, 0.0, pool="inline",
                                            tokens=TURN_TOKENS, chunk_delay_s=PACED_CHUNK_DELAY_S)
-    per_episode = single["rollouts_per_s"] / TURNS
-    return {"multi_turn_turns": TURNS, "multi_turn_turn_tokens": TURN_TOKENS, "multi_turn_episodes": multi,
-            "multi_turn_episodes_on_loop": on_loop, "multi_turn_single_turn_rollouts": single,
+    ratios = [ratio(m, one) for m, one in threaded]
+    on_loop_ratios = [ratio(m, one) for m, one in on_loop]
+    middle = sorted(range(pairs), key=lambda i: ratios[i])[pairs // 2]  # the median pair's figures
+    return {"multi_turn_turns": TURNS, "multi_turn_turn_tokens": TURN_TOKENS,
+            "multi_turn_episodes": threaded[middle][0], "multi_turn_single_turn_rollouts": threaded[middle][1],
+            "multi_turn_episodes_on_loop": on_loop[sorted(range(pairs), key=lambda i: on_loop_ratios[i])[pairs // 2]][0],
             "multi_turn_episodes_paced": paced, "multi_turn_single_turn_rollouts_paced": single_paced,
-            "multi_turn_overhead_ratio": multi["rollouts_per_s"] / per_episode,
-            "multi_turn_overhead_ratio_on_loop": on_loop["rollouts_per_s"] / per_episode,
-            "multi_turn_overhead_ratio_paced": paced["rollouts_per_s"] / (single_paced["rollouts_per_s"] / TURNS)}
+            "multi_turn_overhead_ratio": statistics.median(ratios),
+            "multi_turn_overhead_ratio_pairs": ratios,
+            "multi_turn_overhead_ratio_on_loop": statistics.median(on_loop_ratios),
+            "multi_turn_overhead_ratio_on_loop_pairs": on_loop_ratios,
+            "multi_turn_overhead_ratio_paced": ratio(paced, single_paced)}

@@ -85,7 +85,9 @@ class TurnRenderer:
         unless the tokenizer cleans up spaces, which is then left to transformers."""
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
         if backend is not None and not getattr(self.tokenizer, "clean_up_tokenization_spaces", False):
-            return backend.decode(list(ids), skip_special_tokens=False)
+            # decode_batch, not decode: the same text, and it lets go of the GIL while it decodes
+            # (decode holds it), so the run's loop goes on in the meantime.
+            return backend.decode_batch([list(ids)], skip_special_tokens=False)[0]
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
 
     def encode(self, text: str) -> list[int]:
