@@ -240,6 +240,10 @@ class RayServerEngine(ServerEngine):
                     except (EngineDeadError, TimeoutError):
                         pass
             kill_actor(self.actor)
+            if self.group is not None:  # an engine past `count` gives its own group back as it leaves
+                group, self.group = self.group, None
+                with anyio.move_on_after(30):
+                    await anyio.to_thread.run_sync(release, group)
 
 
 class RayPlacement:

@@ -110,6 +110,7 @@ class ClusterSide:
         from orchestrator.cluster.placement import release
 
         with anyio.CancelScope(shield=True):
+            # The pending group; an engine past `count` gives its own back when it shuts down (before this).
             groups = [self.growth] + [e.group for e in self.engines if getattr(e, "group", None) is not None]
             self.growth = None
             with anyio.move_on_after(30):
@@ -185,10 +186,7 @@ async def retire(loop, engine_id: str) -> None:
         await keeper.close(engine)
         if engine in side.engines:
             side.engines.remove(engine)
-        if engine.group is not None:  # past `count`: its own group goes back; growth asks for another
-            from orchestrator.cluster.placement import release
-
-            await anyio.to_thread.run_sync(release, engine.group)
+        if engine.bundle is None:  # past `count`: its group went back as it shut down; growth asks again
             log.info("fleet.growth_group_released", engine=engine_id, why=engine.lost_for_good)
         else:
             side.free[engine.bundle] = (engine_id, engine.config)
@@ -307,10 +305,11 @@ async def grow_in(loop, tg, group, node_ip: str | None) -> None:
     finally:
         with anyio.CancelScope(shield=True):
             if not entered:  # failed, or cancelled while it started: its actor and group go back
-                if engine is not None and engine_id not in fleet.members:  # a member: the run closes it
-                    await keeper.close(engine)
-                with anyio.move_on_after(30):
-                    await anyio.to_thread.run_sync(release, group)
+                if engine is None:  # no engine holds the group
+                    with anyio.move_on_after(30):
+                        await anyio.to_thread.run_sync(release, group)
+                elif engine_id not in fleet.members:  # a member is closed by `enter` or the run's end
+                    await keeper.close(engine)  # its shutdown gives the group back
         keeper.busy.discard(engine_id)
         keeper.replacing -= 1
         side.growing -= 1
