@@ -26,6 +26,8 @@ async def run_activator(loop) -> None:
         await loop._version_wanted.wait()
         loop._version_wanted = anyio.Event()
         version = loop.wanted_version
+        if loop.stop_requested.is_set():  # stopping: no rollout would sample it
+            return
         if version <= fleet.live_version:
             continue
         async with loop.activation_lock:  # never in the middle of a rejoin

@@ -463,3 +463,9 @@ class RunLoop:
         if self.batch is not None:
             self.handle(sch.TrainerLost(step=self.batch[0]))
             self.batch = None
+        # An activation under way ends on its own (bounded; none begins once the run stops:
+        # `run_activator`): cancelled mid-swap it would fence engines for the stop itself, and the
+        # log would not say which version they serve.
+        with anyio.move_on_after(self.run.config.run.shutdown_grace_s):
+            async with self.activation_lock:
+                pass
