@@ -255,8 +255,10 @@ class Bench:
         in_rhythm = await self.back_in_rhythm(t1)
         await anyio.sleep(self.args.settle_seconds)
         idle_t0 = time.monotonic()
-        await anyio.sleep((t1 - t0) + self.args.settle_seconds)
-        return Sample("lora", rep, t0, t1, idle_t0, paused_ms=0.0, staging=staging, in_rhythm=in_rhythm)
+        idle_s = max(t1 - t0, staging[1] - staging[0])  # the twin of the flip window and of the staging
+        await anyio.sleep(idle_s + self.args.settle_seconds)
+        return Sample("lora", rep, t0, t1, idle_t0, paused_ms=0.0, staging=staging, in_rhythm=in_rhythm,
+                      idle_s=idle_s)
 
     async def back_in_rhythm(self, after: float) -> bool:
         """Waits (bounded) until `RHYTHM_STEPS` engine steps in a row ended after `after`, each

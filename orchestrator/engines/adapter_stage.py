@@ -12,6 +12,7 @@ engine steps.
 from __future__ import annotations
 
 import json
+import time
 
 import anyio
 
@@ -40,6 +41,9 @@ async def stage_adapter(engine, adapter: AdapterRef, timeout_s: float) -> float:
                     why = failed[0]["error"] or "its staging was forgotten (staged again elsewhere?)"
                     raise EngineGenerateError(engine.engine_id, f"adapter {adapter.name} at {adapter.path}: {why}")
                 if all(s["state"] == "staged" for s in states):
+                    # When the off-step work was seen done: the flip window of `inflight bench
+                    # activation`'s lora row starts here, as the pause-free row's at its staged copy.
+                    engine.adapter_staged_at[adapter.name] = time.monotonic()
                     return max(float(s["seconds"]) for s in states)
                 await anyio.sleep(delay)
                 delay = min(2 * delay, POLL_MAX_S)

@@ -95,6 +95,7 @@ class InProcessEngine(Engine):
         self._llm = None
         self._dead = False
         self._adapter_names: dict[int, str] = {}  # int id -> name, of adapters loaded here
+        self.adapter_staged_at: dict[str, float] = {}  # adapter name -> when its staging was seen done
 
     # -- life cycle -------------------------------------------------------------------------
     async def start(self) -> None:

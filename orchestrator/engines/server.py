@@ -154,6 +154,7 @@ class ServerEngine(Engine):
         self._log_dir = Path(log_dir) if log_dir else None
         self._client: httpx.AsyncClient | None = None
         self._dead = False
+        self.adapter_staged_at: dict[str, float] = {}  # adapter name -> when its staging was seen done
 
     # -- life cycle -------------------------------------------------------------------------
     async def start(self) -> None:

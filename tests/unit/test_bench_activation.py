@@ -373,3 +373,51 @@ def test_the_lora_row_summary_compares_its_stall_with_pause_free_and_bytes_with_
     result["lora"]["stall_ms_p90"] = 9.5  # the goal holds for the p90 too
     assert row.summary(result)["stall_p90_within_pause_free"] is False
     assert row.summary({}) == {}, "no lora row measured: nothing claimed"
+
+
+def test_the_lora_window_starts_where_its_staging_was_seen_done_and_the_staging_stall_is_reported_beside_it():
+    """The lora row's window is the pause-free row's: from the end of the off-step staging to the
+    activation's return; what the staging itself cost the steps is measured too (its longest gap
+    against the idle twin's first seconds of the same length), so nothing is left out."""
+    import asyncio
+
+    from orchestrator.bench.activation_lora import LoraRow
+    from orchestrator.fleet.adapters import adapter_name
+
+    # The engine steps every 20 ms; during the staging [1.0, 1.3] one gap of 100 ms (1.1 -> 1.2);
+    # the flip window [1.3, 1.4] holds no gap past the rhythm; the idle twin from 3.0 is regular.
+    engine = ticks(0.0, 1.1, 0.02) + ticks(1.2, 5.0, 0.02)
+    sample = Sample("lora", 0, t0=1.3, t1=1.4, idle_t0=3.0, staging=(1.0, 1.3), idle_s=0.3)
+    m = measure(sample, engine, engine)
+    assert m["engine_stall_ms"] == pytest.approx(0.0, abs=1e-6)
+    assert m["engine_staging_stall_ms"] == pytest.approx(80.0)
+    assert m["staging_ms"] == pytest.approx(300.0)
+    # An idle twin shorter than the staging measures no staging stall (never a guess).
+    short = measure(Sample("lora", 0, t0=1.3, t1=1.4, idle_t0=3.0, staging=(1.0, 1.3)), engine, engine)
+    assert "engine_staging_stall_ms" not in short
+    summary = summarize([sample], ["lora"], throughput_from=())
+    assert summary["lora"]["staging_stall_ms"] == pytest.approx(80.0)
+
+    # The window's start is the engines' `adapter_staged_at` for that version's adapter.
+    class Coordinator:
+        started_at, live_version = 1.0, 0
+
+    class Engine:
+        adapter_staged_at = {adapter_name(7): 1.3}
+
+    class Fleet:
+        coordinator, engines = Coordinator(), {"engine-0": Engine()}
+
+        async def activate(self, version):
+            return SimpleNamespace(outcome="activated", engines=[])
+
+        def request_adapter(self, version):
+            return None
+
+    row = LoraRow.__new__(LoraRow)
+    row.fleet, row.load = Fleet(), SimpleNamespace(adapter=None)
+    t0, t1, staging = asyncio.run(row.activate(7, 0))
+    assert (t0, staging) == (1.3, (1.0, 1.3)) and t1 >= t0
+    Engine.adapter_staged_at = {}  # not seen (no swap extension): the window is the whole activation
+    t0, _t1, staging = asyncio.run(row.activate(7, 0))
+    assert (t0, staging) == (1.0, (1.0, 1.0))
