@@ -74,9 +74,12 @@ class StartupClock:
         def part(label: str, key: str) -> str | None:
             return f"{label} {p[key]:.1f}" if key in p else None
 
-        side_by_side = " | ".join(x for x in (
-            part("trainer", "trainer_s"), part("engines", "engines_s"), part("scoring", "scoring_s")) if x)
-        parts = [x for x in (part("process", "process_s"), part("model", "model_s"), part("task", "task_s"),
+        # The trainer starts first and loads beside the task's build; the engines and the scoring
+        # workers start once the task is built (`Run._setup`).
+        after_task = " | ".join(x for x in (part("engines", "engines_s"), part("scoring", "scoring_s")) if x)
+        task = ", then ".join(x for x in (part("task", "task_s"), after_task) if x)
+        side_by_side = " | ".join(x for x in (part("trainer", "trainer_s"), task) if x)
+        parts = [x for x in (part("process", "process_s"), part("model", "model_s"),
                              f"[{side_by_side}]" if side_by_side else None, part("fleet", "fleet_s"),
                              part("restore", "restore_s")) if x]
         head = (f"first rollout at {self.to_first_rollout_s:.1f}s" if self.to_first_rollout_s is not None
