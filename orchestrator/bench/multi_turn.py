@@ -115,12 +115,15 @@ async def multi_turn_overhead(bench_run, orchestrator_rate, model_dir: str, conc
     on_loop = [(await episodes_rate(bench_run, task, concurrency, episodes), await single()) for _ in range(pairs)]
     single_paced = await orchestrator_rate(concurrency, paced_episodes * TURNS, 0.0, pool="inline",
                                            tokens=TURN_TOKENS, chunk_delay_s=PACED_CHUNK_DELAY_S)
+    def median_pair(measured: list[tuple[dict, dict]], ratios: list[float]) -> tuple[dict, dict]:
+        return measured[sorted(range(pairs), key=lambda i: ratios[i])[pairs // 2]]
+
     ratios = [ratio(m, one) for m, one in threaded]
     on_loop_ratios = [ratio(m, one) for m, one in on_loop]
-    middle = sorted(range(pairs), key=lambda i: ratios[i])[pairs // 2]  # the median pair's figures
+    shown = median_pair(threaded, ratios)  # the median pair's figures
     return {"multi_turn_turns": TURNS, "multi_turn_turn_tokens": TURN_TOKENS,
-            "multi_turn_episodes": threaded[middle][0], "multi_turn_single_turn_rollouts": threaded[middle][1],
-            "multi_turn_episodes_on_loop": on_loop[sorted(range(pairs), key=lambda i: on_loop_ratios[i])[pairs // 2]][0],
+            "multi_turn_episodes": shown[0], "multi_turn_single_turn_rollouts": shown[1],
+            "multi_turn_episodes_on_loop": median_pair(on_loop, on_loop_ratios)[0],
             "multi_turn_episodes_paced": paced, "multi_turn_single_turn_rollouts_paced": single_paced,
             "multi_turn_overhead_ratio": statistics.median(ratios),
             "multi_turn_overhead_ratio_pairs": ratios,

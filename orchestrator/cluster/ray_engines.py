@@ -287,27 +287,26 @@ class RayPlacement:
 
     def place_engines(self, engine_configs: list[tuple[str, EngineConfig]]) -> list[RayServerEngine]:
         """Reserve the placement group (bounded by `start_timeout_s`) and create the actors."""
-        engines = self.config.engines
-        bundle = bundle_of(engines.resources, engines.node_resource)
-        self.group = reserve(f"inflight-{self.run_id}", bundle, len(engine_configs), engines.strategy,
-                             self.config.start_timeout_s, "engine(s)")
+        self.group = reserve(f"inflight-{self.run_id}", self._bundle(), len(engine_configs),
+                             self.config.engines.strategy, self.config.start_timeout_s, "engine(s)")
         return [self.engine_in(index, engine_id, config) for index, (engine_id, config) in enumerate(engine_configs)]
 
     def engine_in(self, index: int, engine_id: str, config: EngineConfig, group=None) -> RayServerEngine:
         """An engine whose actor Ray creates in bundle `index` of the group (at start, or in the bundle
         of a lost engine, which Ray placed again on a node that joined), or in `group`, the one-bundle
         group of an engine past `count` (`grow_group`)."""
-        engines = self.config.engines
-        bundle = bundle_of(engines.resources, engines.node_resource)
-        actor = actor_in(EngineHost, self.group if group is None else group, index, bundle, engine_id).remote(engine_id)
+        actor = actor_in(EngineHost, self.group if group is None else group, index, self._bundle(),
+                         engine_id).remote(engine_id)
         return RayServerEngine(config, engine_id, actor, bundle=None if group else index, group=group)
 
     def grow_group(self, serial: int):
         """The next engine past `count`: a one-bundle group that Ray holds pending until a node has
         room for it (bounded in time: an unanswered cluster raises TimeoutError)."""
-        engines = self.config.engines
-        bundle = bundle_of(engines.resources, engines.node_resource)
-        return within(CALL_TIMEOUT_S, lambda: pending_group(f"inflight-{self.run_id}-grow-{serial}", bundle))
+        return within(CALL_TIMEOUT_S, lambda: pending_group(f"inflight-{self.run_id}-grow-{serial}", self._bundle()))
+
+    def _bundle(self) -> dict[str, float]:
+        """What one engine reserves (`[cluster.engines]`: its resources and the node resource)."""
+        return bundle_of(self.config.engines.resources, self.config.engines.node_resource)
 
     def bundle_nodes(self, group=None) -> tuple[dict[int, str], dict[str, str | None]]:
         """({bundle index: node id} of the engines' group, or of `group`; {alive node id: address}),

@@ -54,7 +54,6 @@ class ClusterSide:
         self.free: dict[int, tuple[str, object]] = {}  # bundle -> (the lost engine's id, its config)
         self.placing: set[int] = set()  # bundles a new engine is being started in
         self.attempts: dict[int, int] = {}  # failed starts per bundle
-        self.template = None  # the engines' config (an engine past `count` gets the same)
         self.growth = None  # the pending one-bundle group of the next engine past `count`
         self.grown = 0  # growth groups asked for (names them)
         self.growing = 0  # engines past `count` starting now
@@ -90,7 +89,6 @@ class ClusterSide:
         return self.node_ip if configured in ("127.0.0.1", "localhost", "::1") else configured
 
     async def place(self, engine_configs) -> list:
-        self.template = engine_configs[0][1]
         self.engines = await anyio.to_thread.run_sync(self._connected,
                                                       lambda: self.placement.place_engines(engine_configs))
         return self.engines
@@ -287,7 +285,8 @@ async def grow_in(loop, tg, group, node_ip: str | None) -> None:
     try:
         log.info("fleet.growing", engine=engine_id, node_ip=node_ip, engines=len(members(loop)),
                  max_count=side.config.engines.most)
-        engine = await anyio.to_thread.run_sync(side.placement.engine_in, 0, engine_id, side.template, group)
+        engine = await anyio.to_thread.run_sync(side.placement.engine_in, 0, engine_id, loop.run.engine_base_config,
+                                                group)
         try:
             await engine.start()
             await keeper.enter(engine, source="growth")

@@ -69,10 +69,9 @@ class FleetKeeper:
 
     # -- the task ----------------------------------------------------------------------------
     async def main(self) -> None:
-        resumed = getattr(self.run, "resume", False)
-        joined_before = joined_urls(self._log_path) if resumed else []
-        if resumed:  # the ids engines had before the resume stay theirs (records name engines by id)
-            self.fleet.used_ids |= logged_engine_ids(self._log_path)
+        logged = logged_members(self._log_path) if getattr(self.run, "resume", False) else []
+        joined_before = joined_urls(logged)
+        self.fleet.used_ids |= logged_engine_ids(logged)  # the ids engines had before a resume stay theirs
         self.log_states()
         try:
             async with anyio.create_task_group() as tg:
@@ -459,38 +458,34 @@ async def _answers_again(engine) -> bool:
     return bool(check is not None and await check())
 
 
-def logged_engine_ids(path: Path) -> set[str]:
-    """Every engine id RUN_DIR/fleet.jsonl names (a torn last line skipped)."""
+def logged_members(path: Path) -> list[dict]:
+    """RUN_DIR/fleet.jsonl's lines, in order (a line torn by a crash mid-write skipped; none without the file)."""
     try:
         lines = path.read_text().splitlines()
     except OSError:
-        return set()
-    ids = set()
+        return []
+    members = []
     for line in lines:
         try:
             member = json.loads(line)
         except ValueError:
             continue
-        if isinstance(member, dict) and isinstance(member.get("engine"), str):
-            ids.add(member["engine"])
-    return ids
+        if isinstance(member, dict) and isinstance(member.get("engine"), str) and member["engine"]:
+            members.append(member)
+    return members
 
 
-def joined_urls(path: Path) -> list[str]:
+def logged_engine_ids(path: Path | list[dict]) -> set[str]:
+    """Every engine id RUN_DIR/fleet.jsonl (or its `logged_members`) names."""
+    return {m["engine"] for m in (logged_members(path) if isinstance(path, Path) else path)}
+
+
+def joined_urls(path: Path | list[dict]) -> list[str]:
     """The URLs of the servers that joined by `fleet add` (RUN_DIR/fleet.jsonl) and had not left,
     been lost or refused at its last line of them, in the order they joined."""
     last: dict[str, dict] = {}
-    try:
-        lines = path.read_text().splitlines()
-    except OSError:
-        return []
-    for line in lines:
-        try:
-            member = json.loads(line)
-        except ValueError:  # a line torn by a crash mid-write
-            continue
-        if isinstance(member, dict) and member.get("engine"):
-            last[member["engine"]] = member
+    for member in (logged_members(path) if isinstance(path, Path) else path):
+        last[member["engine"]] = member
     urls = []
     for member in last.values():
         url = member.get("url")
