@@ -70,6 +70,10 @@ ORPHANED = "orphaned"
 # (and published) this step, before its StepDone reaches the orchestrator.
 CRASH_AFTER_CHECKPOINT = "INFLIGHT_FAULT_TRAINER_EXIT_AFTER_STEP"
 CRASH_EXIT_CODE = 17
+# Fault injection for the SIGKILL-and-resume tests: the trainer stops (sleeps, holding its
+# state) right after this step is durable and published, so a test kills the run at a known step
+# instead of racing a poll against a step that lasts a fraction of a second.
+HOLD_AFTER_STEP = "INFLIGHT_FAULT_TRAINER_HOLD_AFTER_STEP"
 # How long a trainer that ends lets a background checkpoint under way finish (the journal makes
 # up for one cut short).
 WRITER_CLOSE_TIMEOUT_S = 60.0
@@ -232,6 +236,9 @@ class Trainer:
         version = self._publish(metrics) if publish else None
         if os.environ.get(CRASH_AFTER_CHECKPOINT) == str(self.step):  # fault injection (tests only)
             os._exit(CRASH_EXIT_CODE)
+        if os.environ.get(HOLD_AFTER_STEP) == str(self.step):  # fault injection (tests only)
+            while True:
+                time.sleep(3600)
         seconds = time.perf_counter() - started
         log.info("trainer.step", step=self.step, version=version, loss=result.loss, reward_mean=result.reward_mean,
                  seconds=round(seconds, 4))

@@ -36,8 +36,10 @@ def crash_resume_run(tmp_path_factory, rl_model) -> CrashResumeRun:
     trainer twice; the steps themselves are cheap.
 
     1. The run, SIGKILLed as a process group (orchestrator, trainer and engine processes at once)
-       once it consumed 6 steps and its trainer's journal holds an odd step that it published (one
-       the resume trains again: its checkpoint falls at the next even step).
+       once its trainer's journal holds step 7, published (a step the resume trains again: its
+       checkpoint falls at the next even step). The trainer holds after that step
+       (INFLIGHT_FAULT_TRAINER_HOLD_AFTER_STEP): a poll that waited for the window between an odd
+       step's publish and the next checkpoint missed every one of them once (CI, stop 38).
     2. --resume, its replayed weights forced to differ from the published ones (the test hook
        INFLIGHT_FAULT_REPLAY_PERTURB: the trainer must continue from the published weights,
        orchestrator/trainer/restore.py), with the trainer set to die right after it journaled (and published) the
@@ -45,7 +47,7 @@ def crash_resume_run(tmp_path_factory, rl_model) -> CrashResumeRun:
        trainer.checkpoint_every = 2 a journal entry, not a checkpoint), before its StepDone
        reaches the orchestrator: the run fails (exit 2).
     3. --resume to the step count."""
-    from orchestrator.trainer.process import CRASH_AFTER_CHECKPOINT
+    from orchestrator.trainer.process import CRASH_AFTER_CHECKPOINT, HOLD_AFTER_STEP
     from orchestrator.trainer.restore import PERTURB_REPLAY
     from orchestrator.trainer.step_journal import journaled_steps
     from replay.log import read_records
@@ -69,13 +71,18 @@ def crash_resume_run(tmp_path_factory, rl_model) -> CrashResumeRun:
         return {p.name: digest(p) for p in (run_dir / "weights").glob("v*") if (p / "COMPLETE").exists()}
 
     log = root / "out.log"
-    proc = run_in(root, [str(config), "--run-dir", str(run_dir), "--max-steps", str(max_steps)], log)
+    held_step = 7
+    os.environ[HOLD_AFTER_STEP] = str(held_step)
+    try:
+        proc = run_in(root, [str(config), "--run-dir", str(run_dir), "--max-steps", str(max_steps)], log)
+    finally:
+        del os.environ[HOLD_AFTER_STEP]
     try:
         # The odd step published too: killed between its journal entry and its publish, the resume
         # would have no published weights to compare its replay with (nothing then differs).
-        wait_for(lambda: steps_done() >= 6 and any(s % 2 and (run_dir / "weights" / f"v{s:08d}" / "COMPLETE").exists()
-                                                   for s in journaled_steps(run_dir)), 900, proc, log,
-                 "six steps and an odd journaled step, published")
+        wait_for(lambda: steps_done() >= 6 and held_step in journaled_steps(run_dir)
+                 and (run_dir / "weights" / f"v{held_step:08d}" / "COMPLETE").exists(), 900, proc, log,
+                 f"six steps consumed and step {held_step} journaled and published")
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(30)
     finally:
