@@ -36,6 +36,12 @@ def host_env(host: Host) -> dict[str, str]:
     env["TMPDIR"] = str(host.scratch)
     env["RAY_USAGE_STATS_ENABLED"] = "0"
     env.pop("RAY_ADDRESS", None)
+    # Each host's engine binds its own core, as a real host's engine has its host's cores: vLLM's
+    # `auto` binding puts every engine of every namespace host on core 0, where two engines (or an
+    # engine starting beside one serving) take turns on one core while the other idles.
+    if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        cores = sorted(os.sched_getaffinity(0))
+        env["VLLM_CPU_OMP_THREADS_BIND"] = str(cores[host.index % len(cores)])
     return env
 
 

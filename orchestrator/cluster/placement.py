@@ -87,8 +87,10 @@ def growth_step(*, max_count: int, members: int, starting: int, free: int, stopp
     pending one-bundle group is the demand for the next engine; Ray places it when a node joins
     offering the resource (WATCH: look where it is; the caller starts the engine once it is placed
     on a live node). GROW: ask for that group; RELEASE: give the pending one back, because the run
-    stops, the fleet is full (`members` + `starting` engines), or a lost engine's bundle waits
-    (`free`: a replacement comes first, so that a node that joins is given to it); None: nothing."""
+    stops, the fleet is full (`members` + `starting` engines), or a lost engine's bundle waits for a
+    node (`free`: lost bundles no replacement is starting in yet; a replacement comes first, so that
+    a node that joins is given to it); None: nothing. A bundle whose replacement is starting holds a
+    node already: a second node that joins meanwhile is the growth's."""
     if stopping or given_up or free or members + starting >= max_count:
         return RELEASE if pending else None
     return WATCH if pending else GROW

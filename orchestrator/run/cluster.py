@@ -250,7 +250,7 @@ async def grow_fleet(loop, tg, probe_s: float = REPLACE_PROBE_S) -> None:
     while True:
         await anyio.sleep(probe_s)
         step = growth_step(max_count=side.config.engines.most, members=len(members(loop)), starting=side.growing + len(side.placing),
-                           free=len(side.free), stopping=loop.stop_requested.is_set(), pending=side.growth is not None,
+                           free=len(side.free.keys() - side.placing), stopping=loop.stop_requested.is_set(), pending=side.growth is not None,
                            given_up=side.growth_failures >= REPLACE_ATTEMPTS)
         try:
             if step == RELEASE:

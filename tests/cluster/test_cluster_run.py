@@ -6,17 +6,18 @@ what a CPU affords):
   host 1, host 2: one vLLM server engine each (Ray resource "engine")
   host 3: trainer node 1 (Ray resource "trainer"): FSDP2 over gloo across hosts 0 and 3
   host 4: joins the Ray cluster only mid-run, offering the engine resource (the fleet grows onto it)
+  (each host's engine binds a core of its own: `host_env`)
 
 The scenario, in order (the run has `fleet.replace = true`): ten steps; host 2's link cut (its engine
 fenced, the run goes on) and restored (the engine rejoins at the live version, then serves; a cut link
 is not a loss, nothing is replaced); host 1 killed (Ray's node death: the engine is lost, the run goes on
 with one); host 1 back, its Ray node joins offering the engine resource: Ray places the lost engine's
-bundle there and the run starts a replacement in it, which joins at the live version and serves; host 3
-killed (the trainer node: the run stops, one named line, exit 2); host 3 back, `--resume` (continues
-exactly once); host 4's node joins with nothing lost: the fleet (`count = 2, max_count = 3`) grows onto
-it, the new engine joining at the live version; the orchestrator SIGKILLed mid-run (within 30 s nothing
-of the run is left on any host, its placement groups released); `--resume` to the end (two steps: it
-ends before its growth starts a third engine, and gives the group it asked for back).
+bundle there and the run starts a replacement in it; while that one starts, host 4's node joins with
+nothing else lost: the fleet (`count = 2, max_count = 3`) grows onto it, both new engines starting side by
+side and joining at the live version, then serving; host 3 killed (the trainer node: the run stops, one
+named line, exit 2); host 4 gone with it (no room for growth from here on); host 3 back, `--resume`
+(continues exactly once); the orchestrator SIGKILLed mid-run (within 30 s nothing of the run is left on
+any host, its placement groups released, the pending growth group among them); `--resume` to the end.
 Counted from outside, on the replay log: no rollout id twice, every dispatched rollout one terminal
 record, every step consumed once, no version applied by part of the fleet.
 """
@@ -138,17 +139,34 @@ def scenario(tmp_path_factory, rl_model):
             hosts[1].restart()
             ray.join(1)  # its Ray node joins again, offering the engine resource
             node_joined = time.monotonic()
+            replacing = run.wait_for(lambda: [e for e in run.events("fleet.replacing") if e["engine"] == lost_engine],
+                                     300, "the lost engine's bundle placed on the node that joined")
+            # While the replacement starts, a node offering the engine resource joins with nothing
+            # else lost: room past `count`, which the run asks for once the lost bundle has its node.
+            grow_started = time.monotonic()
+            ray.join(4)
+            grow_joined = time.monotonic()
             source = f"replacement of {lost_engine}"
             joined = run.wait_for(lambda: [e for e in run.events("fleet.joined") if e["source"] == source], 300,
                                   "a replacement engine placed on the node that joined")
             serving = time.monotonic()
             new = joined[0]["engine"]
+            grown = run.wait_for(lambda: [e for e in run.events("fleet.joined") if e["source"] == "growth"],
+                                 300, "an engine past count on the node that joined")
+            grown_serving = time.monotonic()
             run.wait_for(lambda: len(completed_on(run_dir, new)) >= 2, 300, "rollouts on the replacement")
             s.facts["engine_host_replaced"] = dict(
                 engine=new, joined=joined[0], placed=[e for e in run.events("engine.placed") if e["engine"] == new],
                 replacing=[e for e in run.events("fleet.replacing") if e["replacement"] == new],
                 seconds=dict(node_join=node_joined - started, to_serving=serving - node_joined,
                              to_rollouts=time.monotonic() - serving))
+            new_grown = grown[0]["engine"]
+            run.wait_for(lambda: len(completed_on(run_dir, new_grown)) >= 2, 300, "rollouts on the engine past count")
+            s.facts["grown"] = dict(
+                engine=new_grown, joined=grown[0], replacing=replacing[0], replacement_joined=joined[0],
+                placed=[e for e in run.events("engine.placed") if e["engine"] == new_grown],
+                growing=[e for e in run.events("fleet.growing") if e["engine"] == new_grown],
+                seconds=dict(node_join=grow_joined - grow_started, to_serving=grown_serving - grow_joined))
         with s.phase("trainer_host_killed"):
             s.need("engine_host_killed")
             killed_at = time.monotonic()
@@ -156,30 +174,16 @@ def scenario(tmp_path_factory, rl_model):
             code = run.wait(300)
             s.facts["trainer_host_killed"] = dict(code=code, seconds=time.monotonic() - killed_at,
                                                   output=run.output(), steps=consumed_steps(run_dir))
+            # The grown engine's host dies between runs and comes back empty, its Ray node not rejoined:
+            # no room for growth from here on (the resumed runs' growth requests stay pending).
+            hosts[4].restart()
         with s.phase("orchestrator_killed"):
             s.need("trainer_host_killed")
             hosts[3].restart()  # the trainer host comes back and rejoins the cluster (host 1 is back already)
             ray.join(3)
             steps = consumed_steps(run_dir)
-            placed_before = len(run.events("engine.placed"))
             resumed = ClusterRun(hosts, config, run_dir, 400, "--resume")
-            # Once its two engines are placed (and start), a node offering the engine resource joins,
-            # nothing lost: room past `count`, which the run asks for once it runs.
-            resumed.wait_for(lambda: len(resumed.events("engine.placed")) >= placed_before + 2, 600,
-                             "the resumed run's engines placed")
-            started = time.monotonic()
-            ray.join(4)
-            node_joined = time.monotonic()
-            grown = resumed.wait_for(lambda: [e for e in resumed.events("fleet.joined") if e["source"] == "growth"],
-                                     300, "an engine past count on the node that joined")
-            serving = time.monotonic()
-            new = grown[0]["engine"]
-            resumed.wait_for(lambda: len(completed_on(run_dir, new)) >= 2, 300, "rollouts on the engine past count")
             resumed.wait_for(lambda: consumed_steps(run_dir) >= steps + 2, 600, "steps after --resume")
-            s.facts["grown"] = dict(
-                engine=new, joined=grown[0], placed=[e for e in resumed.events("engine.placed") if e["engine"] == new],
-                growing=[e for e in resumed.events("fleet.growing") if e["engine"] == new],
-                seconds=dict(node_join=node_joined - started, to_serving=serving - node_joined))
             resumed.proc.send_signal(signal.SIGKILL)
             killed_at = time.monotonic()
             left = {}
@@ -363,13 +367,16 @@ def served_from_the_live_version(run_dir: Path, engine: str, joined: dict) -> li
 def test_a_node_that_joins_with_room_grows_the_fleet_past_its_count_from_the_live_version(scenario):
     """Nothing lost, `count = 2`, `max_count = 3`: host 4's node joins offering the engine resource, and a
     third engine is started there (its own one-bundle placement group) and joins as any joiner."""
-    scenario.need("orchestrator_killed")
+    scenario.need("engine_host_replaced")
     hosts, run_dir, facts = scenario.facts["hosts"], scenario.facts["run_dir"], scenario.facts["grown"]
     new = facts["engine"]
     earlier = set(scenario.facts["ten_steps"]["placed"]) | {scenario.facts["engine_host_replaced"]["engine"]}
-    assert new not in earlier  # a resumed run's new engine gets an id the log never named
+    assert new not in earlier
     assert [e["node_ip"] for e in facts["placed"]] == [hosts[4].address], facts["placed"]
-    assert [(e["engines"], e["max_count"]) for e in facts["growing"]] == [(2, 3)], facts["growing"]
+    # One engine serving and the replacement starting: room for one more, and it starts beside the
+    # replacement instead of after it (a bundle whose replacement is starting holds its node already).
+    assert [(e["engines"], e["max_count"]) for e in facts["growing"]] == [(1, 3)], facts["growing"]
+    assert facts["replacing"]["timestamp"] < facts["growing"][0]["timestamp"] < facts["replacement_joined"]["timestamp"]
     served_from_the_live_version(run_dir, new, facts["joined"])
     history = [json.loads(line) for line in (run_dir / "fleet.jsonl").read_text().splitlines()]
     assert [h["state"] for h in history if h["engine"] == new][:2] == ["joining", "serving"], history
