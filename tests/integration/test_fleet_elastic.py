@@ -17,6 +17,7 @@ one `inflight run` that keeps training while its fleet changes under it:
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import time
@@ -34,14 +35,18 @@ pytestmark = [pytest.mark.engine, pytest.mark.slow]
 DRAIN_S = 60
 
 
-def launch_server(model: Path, port: int, log: Path, *extra: str) -> subprocess.Popen:
+def launch_server(model: Path, port: int, log: Path, core: int) -> subprocess.Popen:
+    """A server whose worker binds `core` (vLLM's `auto` binds every engine to core 0, where two
+    take turns while the other core idles)."""
     from orchestrator.config.run import SWAP_EXTENSION, EngineConfig
     from orchestrator.engines.server import server_command, server_env
 
     config = EngineConfig(model=str(model), kind="server", max_model_len=512, max_num_seqs=16,
                           worker_extension_cls=SWAP_EXTENSION, shutdown_timeout_s=DRAIN_S)
-    return subprocess.Popen(server_command(config, port) + list(extra), stdout=log.open("a"),
-                            stderr=subprocess.STDOUT, env=server_env(config), start_new_session=True)
+    cores = sorted(os.sched_getaffinity(0))
+    env = {**server_env(config), "VLLM_CPU_OMP_THREADS_BIND": str(cores[core % len(cores)])}
+    return subprocess.Popen(server_command(config, port), stdout=log.open("a"),
+                            stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
 def wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float = 600) -> None:
@@ -80,8 +85,8 @@ def test_engines_join_drain_die_return_and_leave_on_sigterm_while_the_run_trains
     ports = {name: free_port() for name in ("a", "b")}
     urls = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
     logs = {name: tmp_path / f"server-{name}.log" for name in ports}
-    servers = {"a": launch_server(rl_model, ports["a"], logs["a"]),
-               "b": launch_server(rl_model, ports["b"], logs["b"])}
+    servers = {"a": launch_server(rl_model, ports["a"], logs["a"], 0),
+               "b": launch_server(rl_model, ports["b"], logs["b"], 1)}
     run_dir, log = tmp_path / "run", tmp_path / "run.log"
     proc = None
     try:
@@ -135,7 +140,7 @@ drain_s = {DRAIN_S}
         wait_for(lambda: state(run_dir, "engine-2") == "fenced", 300, proc, log, "engine-2 fenced")
         wait_for(lambda: "admission paused" in ((health(run_dir) or {}).get("degraded") or ""), 60, proc, log,
                  "admission paused with engine-2 fenced")
-        servers["b"] = launch_server(rl_model, ports["b"], logs["b"])
+        servers["b"] = launch_server(rl_model, ports["b"], logs["b"], 1)
         wait_ready(urls["b"], servers["b"], logs["b"])
         wait_for(lambda: state(run_dir, "engine-2") == "serving", 600, proc, log, "engine-2 back")
         returned_at = time.time()
