@@ -83,7 +83,7 @@ async def test_a_driver_that_dies_mid_episode_ends_it_named_and_the_next_episode
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     renderer = TurnRenderer(tokenizer)
     endpoint = AgentEndpoint(renderer, token=TOKEN, sampling_check=sampling_checker(SamplingSettings()))
-    task = make(env="faulty_env04", harness="null", runtime="subprocess", renderer=RENDERER, timeout_s=20,
+    task = make(env="faulty_env04", harness="null", runtime="subprocess", renderer=RENDERER, timeout_s=8,
                 venv=str(verifiers04_python.parents[1]), model_dir=str(tiny_model_dir), search_path=[str(HERE)],
                 start_timeout_s=300)
     try:
@@ -102,7 +102,7 @@ async def test_a_driver_that_dies_mid_episode_ends_it_named_and_the_next_episode
             assert episode.reward == pytest.approx(4 / 5), "the trace's reward: digits in '12 34'"
 
             sampler = Script(renderer, ["5"])  # one that never ends: past timeout_s, cancelled, named
-            with pytest.raises(AgentError, match=r"no answer in 20 s \(task.args.timeout_s\): cancelled"):
+            with pytest.raises(AgentError, match=r"no answer in 8 s \(task.args.timeout_s\): cancelled"):
                 await episodes.run_episode(task.row(2), sampler, 16)
             with pytest.raises(AgentError, match=r"rollout failed: .*no score for this one"):
                 await episodes.run_episode(task.row(3), Script(renderer, ["5"]), 16)  # a failed rollout: no reward
