@@ -13,7 +13,7 @@ import pytest
 from tests.helpers import attach_to
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
-STALL_S = 10
+STALL_S = 5
 
 
 @pytest.mark.timeout(600)
