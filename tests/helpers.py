@@ -5,6 +5,7 @@ an in-process vLLM engine with the inflight weight-transfer backend."""
 
 from __future__ import annotations
 
+import os
 import socket
 
 
@@ -13,6 +14,13 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def core_of(index: int) -> str:
+    """The `index`-th core this process may run on, wrapping (`engine.cpu_bind` of a test's second
+    server: its own core instead of the first's)."""
+    cores = sorted(os.sched_getaffinity(0))
+    return str(cores[index % len(cores)])
 
 
 def attach_to(url: str) -> str:

@@ -61,6 +61,10 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # again in each; about half a server's start-up. "spawn": vLLM's own (its CPU platform's
     # choice), for a vLLM where fork misbehaves.
     start_method: Literal["fork", "spawn"] = "fork"
+    # kind="server", CPU builds: the cores the engine's worker binds (vLLM's
+    # VLLM_CPU_OMP_THREADS_BIND: "1", "0-3", "0,2"). None: vLLM's own choice (`auto`, which binds
+    # every engine of a host to the same cores: two engines on one host then take turns there).
+    cpu_bind: str | None = None
 
     def validate(self) -> EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 16:
@@ -76,6 +80,14 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ConfigError("engine.max_loras", f"must be >= 1, got {self.max_loras}")
         if self.kind == "inproc" and self.url is not None:
             raise ConfigError("engine.url", "only meaningful with kind = \"server\"")
+        if self.cpu_bind is not None:
+            if self.kind != "server" or self.url is not None:
+                raise ConfigError("engine.cpu_bind", "only for a server engine the run starts (kind = \"server\", "
+                                  "no url): an in-process engine's worker binds what the orchestrator's "
+                                  "VLLM_CPU_OMP_THREADS_BIND says, an attached server what it was started with")
+            if not re.fullmatch(r"\d+(-\d+)?(,\d+(-\d+)?)*", self.cpu_bind):
+                raise ConfigError("engine.cpu_bind", f"cores as vLLM's VLLM_CPU_OMP_THREADS_BIND takes them "
+                                  f"(\"1\", \"0-3\", \"0,2\"), got {self.cpu_bind!r}")
         return self
 
 

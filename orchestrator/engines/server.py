@@ -119,6 +119,8 @@ def server_env(config: EngineConfig) -> dict[str, str]:
     if config.enable_lora:  # /v1/load_lora_adapter and /v1/unload_lora_adapter exist only with it
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(config.kv_cache_gib)))
+    if config.cpu_bind is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = config.cpu_bind
     return env
 
 

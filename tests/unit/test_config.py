@@ -43,6 +43,9 @@ stage_s = 5.0
         ("[engine]\nmax_num_seqs = 0\n", "engine.max_num_seqs"),
         ("[engine]\nunknown_knob = 1\n", "engine"),
         ("engines = 0\n", "engines"),
+        ("[engine]\ncpu_bind = \"1\"\n", "engine.cpu_bind"),  # an in-process engine's
+        ("[engine]\nkind = \"server\"\ncpu_bind = \"core one\"\n", "engine.cpu_bind"),
+        ("[engine]\nkind = \"server\"\nurl = \"http://127.0.0.1:9\"\ncpu_bind = \"1\"\n", "engine.cpu_bind"),
     ],
 )
 def test_a_bad_field_is_named(tmp_path, text, field):
@@ -79,3 +82,14 @@ def test_every_example_config_loads():
     assert examples
     for path in examples:
         load_config(path)
+
+
+def test_a_server_engines_cpu_bind_is_the_cores_its_worker_binds(monkeypatch):
+    from orchestrator.config.run import EngineConfig
+    from orchestrator.engines.server import server_env
+
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in server_env(EngineConfig(kind="server"))  # vLLM's own choice
+    for cores in ("1", "0-3", "0,2-3"):
+        config = EngineConfig(kind="server", cpu_bind=cores).validate()
+        assert server_env(config)["VLLM_CPU_OMP_THREADS_BIND"] == cores
