@@ -20,7 +20,8 @@ and the coordinator ignores timers of finished phases. Failures:
 
 * staging (`StageFailed`, `EngineDied`, or the staging timer): no engine activates;
   `DropStaged` everywhere, the attempt is recorded as rolled back, the live version stays,
-  the next version tries again. An engine that died is also fenced.
+  the next version tries again. An engine that died is also fenced, and sent no drop (nothing
+  answers it; its rejoin re-syncs whatever it holds).
 * pause / swap / fence / set-version / resume (`StepFailed`, `EngineDied`, the phase's
   timer): that engine is fenced (`Fence`: no new requests, its in-flight rollouts end
   `errored`), the others go on at v. Every engine that was sent `Pause` is sent `Resume`,
@@ -234,12 +235,12 @@ class ActivationCoordinator(RejoinSteps):
             return self._abort_staging(event.at, f"{event.engine} failed to stage: {event.error}")
         return []
 
-    def _drop_joiner(self, engine: str, why: str, at: float) -> list[Action]:
+    def _drop_joiner(self, engine: str, why: str, at: float, dead: bool = False) -> list[Action]:
         """A joiner failed while the version stages: it stays fenced, the others go on."""
         self.runs[engine].failed = True
         self.joining.discard(engine)
         self.messages.append(f"{engine} did not join ({why})")
-        actions: list[Action] = [DropStaged(engine=engine, version=self.version)]
+        actions: list[Action] = [] if dead else [DropStaged(engine=engine, version=self.version)]
         if self._all("staged"):
             actions += self._staging_done(at)
         return actions
@@ -349,10 +350,11 @@ class ActivationCoordinator(RejoinSteps):
         return joined + self._finish(at, outcome, "; ".join(self.messages))
 
     def _engine_failed(self, engine: str, step: str, error: str, at: float) -> list[Action]:
+        dead = step == "died"
         if self.phase == STAGING and self.runs[engine].joining:
-            return self._drop_joiner(engine, f"{step}: {error}", at)
+            return self._drop_joiner(engine, f"{step}: {error}", at, dead=dead)
         if self.phase == STAGING:
-            actions = self._abort_staging(at, f"{engine} {step} while staging: {error}")
+            actions = self._abort_staging(at, f"{engine} {step} while staging: {error}", dead=engine if dead else None)
             if step == "died" and engine not in self.fenced:
                 self.fenced.add(engine)
                 actions.insert(0, Fence(engine=engine, reason=f"died: {error}"))
@@ -390,9 +392,12 @@ class ActivationCoordinator(RejoinSteps):
             return self._check_resumed(at)
         return []
 
-    def _abort_staging(self, at: float, message: str) -> list[Action]:
+    def _abort_staging(self, at: float, message: str, dead: str | None = None) -> list[Action]:
         self.messages.append(message)
-        actions: list[Action] = [DropStaged(engine=e, version=self.version) for e in self.runs]
+        # An engine that died gets no drop: nothing answers it (over a cut link the call waits out
+        # its limit, and the rollback with it: the next version waited 50 s in the cluster test),
+        # and it is fenced, so its rejoin re-syncs whatever it holds (`rejoin`: stage, swap).
+        actions: list[Action] = [DropStaged(engine=e, version=self.version) for e in self.runs if e != dead]
         return actions + self._finish(at, ROLLED_BACK, "; ".join(self.messages))
 
     def _on_timeout(self, event: Timeout) -> list[Action]:

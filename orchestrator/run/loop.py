@@ -242,17 +242,20 @@ class RunLoop:
         for the scheduler, fenced in the fleet (its rollouts end errored and their groups are
         retried elsewhere); with none left serving, the run stops."""
         log.warning("engine.lost", engine=engine_id, error=message)
-        await self.engine_dead(engine_id, message)
+        await self.engine_dead(engine_id, message, ask_leaving=False)
 
-    async def engine_dead(self, engine_id: str, message: str) -> None:
+    async def engine_dead(self, engine_id: str, message: str, ask_leaving: bool = True) -> None:
         """Down for the scheduler, fenced in the fleet; replaced where `fleet.replace` says so.
         A server told to stop (SIGTERM) may fail a request as it closes: that one leaves (its
-        drain), it is not fenced."""
+        drain), it is not fenced. An engine its watch reports lost (`ask_leaving=False`: its
+        actor or server is dead, or it answered nothing for `unreachable_s`) is not asked: a
+        draining server answers its health check, and over a cut link the question only waits
+        out its limits (15 s) while the activation it holds up waits too."""
         self.handle(sch.EngineDown(engine=engine_id))
         if engine_id in self._asking_leaving:
             return  # every rollout of a failing engine ends at once: the first asks, and acts, for all
         engine = self.run.fleet.engines.get(engine_id)
-        if engine is not None and engine_id in self.run.fleet.coordinator.serving:
+        if ask_leaving and engine is not None and engine_id in self.run.fleet.coordinator.serving:
             self._asking_leaving.add(engine_id)
             try:
                 leaving = await engine.leaving()

@@ -228,7 +228,9 @@ async def test_a_joiner_that_fails_to_stage_stays_fenced_and_the_version_goes_li
     record = await fleet.activate(2)
     assert record.outcome == act.ACTIVATED and fleet.live_version == 2
     assert fleet.coordinator.fenced == {"b"} and "b did not join" in record.message
-    assert "swap_drop" in engines[1].calls and "pause" not in engines[1].calls
+    # Its stage raised EngineDeadError: dead, it is sent no drop (nothing answers it; its rejoin
+    # re-syncs whatever it holds) and no pause.
+    assert engines[1].calls == ["swap_stage"]
 
 
 class DisagreeingEngine(ScriptedEngine):
@@ -255,9 +257,11 @@ async def test_a_failed_staging_sends_its_drops_even_though_the_activation_ends_
     fleet = Fleet(engines)
     record = await fleet.activate(1)
     assert record.outcome == act.ROLLED_BACK
-    # Both drops reached their engine: the activation's task group was cancelled right after
-    # it asked for them, and unshielded drops were never sent.
-    assert all("swap_drop" in e.calls for e in engines), [e.calls for e in engines]
+    # a's drop reached it: the activation's task group was cancelled right after it asked for
+    # it, and an unshielded drop was never sent. b died while staging (EngineDeadError): it is
+    # fenced and sent none (over a cut link it would hold the rollback up to its limit).
+    assert "swap_drop" in engines[0].calls and "swap_drop" not in engines[1].calls, [e.calls for e in engines]
+    assert fleet.coordinator.fenced == {"b"}
 
 
 async def test_rejoin_and_activation_never_run_at_once():
