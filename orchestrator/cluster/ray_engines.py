@@ -215,20 +215,34 @@ class RayServerEngine(ServerEngine):
         once per outage: it may answer again and rejoin (`orchestrator.run.cluster.rejoin_fenced`)."""
         last_seen, reported = time.monotonic(), False
         while self._client is not None:
-            code = await self._exit_code()
+            code, answers = await self._look()
             if code is not None:
                 self._dead = True
                 self.lost_for_good = (f"its Ray actor died ({self._gone})" if self._gone
                                       else f"its server exited with code {code}")
                 await on_lost(self.engine_id, self.lost_for_good)
                 return
-            if await self._answers():
+            if answers:
                 last_seen, reported = time.monotonic(), False
             elif not reported and time.monotonic() - last_seen > unreachable_s:
                 reported = True
                 self._dead = True
                 await on_lost(self.engine_id, f"unreachable for {time.monotonic() - last_seen:.0f}s at {self.url}")
             await anyio.sleep(poll_s)
+
+    async def _look(self) -> tuple[int | None, bool]:
+        """The server's exit code as its actor knows it (None: running, or the actor did not
+        answer) and whether the server answers its health check, asked at once: over a cut link
+        both wait out their limits (10 s and 5 s), one after the other 15 s a look."""
+        found: dict[str, object] = {}
+
+        async def ask(name, call):
+            found[name] = await call()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ask, "code", self._exit_code)
+            tg.start_soon(ask, "answers", self._answers)
+        return found["code"], bool(found["answers"])
 
     async def shutdown(self) -> None:
         with anyio.CancelScope(shield=True):
