@@ -80,7 +80,9 @@ class ClusterError(InflightError):
 class UserCodeTimeout(InflightError, TimeoutError):
     """A call into the user's code ran past its timeout; `what` names the call ("tool 'add'")."""
 
-    def __init__(self, what: str, timeout_s: float) -> None:
+    def __init__(self, what: str, timeout_s: float, where: str | None = None) -> None:
         self.what = what
         self.timeout_s = timeout_s
-        super().__init__(f"{what} ran past its timeout of {timeout_s:g} s")
+        self.where = where  # where its thread was when the time ran out (None: not known)
+        at = f"; it was at {where}" if where else ""
+        super().__init__(f"{what} ran past its timeout of {timeout_s:g} s{at}")

@@ -113,7 +113,7 @@ class AgentEpisodes:
         except UserCodeTimeout as exc:
             if exc.what != what:  # one raised inside the agent, not this call's: the agent's own error
                 raise AgentError(f"{what} raised {type(exc).__name__}: {exc}") from exc
-            raise AgentTimeout(what, self.timeout_s) from None
+            raise AgentTimeout(what, self.timeout_s, where=exc.where) from None
         except Exception as exc:  # noqa: BLE001 - the user's code: its failure ends this episode, named
             raise AgentError(f"{what} raised {type(exc).__name__}: {exc}") from exc
 

@@ -35,6 +35,8 @@ import asyncio
 import contextvars
 import functools
 import inspect
+import os
+import sys
 import threading
 import weakref
 from collections.abc import Callable
@@ -55,6 +57,7 @@ class _Call:
     runner: UserCode
     what: str
     inner: str | None = None
+    thread: threading.Thread | None = None  # the worker thread running it, if any
 
     def named(self) -> str:
         return self.what if self.inner is None else f"{self.what} (in {self.inner})"
@@ -109,7 +112,7 @@ class UserCode:
         # move_on_after, not fail_after: a TimeoutError the user's code raises itself is its own.
         with anyio.move_on_after(timeout_s):
             return await running
-        raise UserCodeTimeout(call.named(), timeout_s)
+        raise UserCodeTimeout(call.named(), timeout_s, where=where_is(call.thread))
 
     async def _run_async(self, fn, args, call: _Call, here: bool):
         if not here:
@@ -125,6 +128,7 @@ class UserCode:
         done = loop.create_future()
         worker = threading.Thread(target=_work, args=(loop, done, fn, args), daemon=True,
                                   name=f"{self.name}: {call.what}"[:80])
+        call.thread = worker
         worker.start()
         result = await done  # cancelled (a timeout, the run's cancellation): the thread is abandoned
         if inspect.isawaitable(result):  # a plain def that returned a coroutine: the rest runs as async code
@@ -348,6 +352,7 @@ class _ThreadLoop(threading.local):
         if self.loop is None or self.loop.is_closed():
             self.loop = asyncio.new_event_loop()
             self._closer = _LoopCloser(self.loop)
+            _LOOP_OF_THREAD[threading.get_ident()] = self.loop
         return self.loop
 
 
@@ -362,6 +367,59 @@ class _LoopCloser:
 
 
 _thread_loop = _ThreadLoop()
+# Each worker thread's own loop, by thread id (weakly: gone with the loop), so that a call that
+# runs past its time can say where its async code waits (`where_is`).
+_LOOP_OF_THREAD: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+# Frames of this package's plumbing and of asyncio's: never where the user's code is.
+_PLUMBING = (os.sep + "asyncio" + os.sep, os.path.join("orchestrator", "tasks", "user_code.py"),
+             os.path.join("orchestrator", "tasks", "agent.py"), "selectors.py", "threading.py")
+
+
+def where_is(thread: threading.Thread | None, frames: int = 3) -> str | None:
+    """Where `thread` is now: its innermost `frames` frames ("httpx/_client.py:12 in send <- ..."),
+    then its outermost one (the user's function) when not among them. For a thread that runs an
+    event loop of its own (an async agent), where its tasks wait. None when not known."""
+    if thread is None or thread.ident is None:
+        return None
+    try:
+        stacks = []
+        loop = _LOOP_OF_THREAD.get(thread.ident)
+        if loop is not None and not loop.is_closed():
+            # Read from another thread, for a message only: a task set that changes meanwhile is retried by the caller.
+            for task in list(asyncio.all_tasks(loop)):
+                stacks.append(list(_awaiting(task.get_coro())))
+        frame = sys._current_frames().get(thread.ident)
+        if frame is not None:
+            stacks.append(list(reversed(list(_outward(frame)))))
+        for stack in stacks:
+            named = [f for f in reversed(stack) if not any(p in f.f_code.co_filename for p in _PLUMBING)]
+            if named:
+                shown = named[:frames] + ([named[-1]] if len(named) > frames else [])
+                return " <- ".join(_frame_name(f) for f in shown)
+    except RuntimeError:  # the thread's task set changed while read: not known this time
+        return None
+    return None
+
+
+def _awaiting(coro):
+    """The frames of a suspended coroutine and of those it awaits, outermost first."""
+    while coro is not None:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None) or getattr(coro, "ag_frame", None)
+        if frame is not None:
+            yield frame
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None) or getattr(coro, "ag_await", None)
+
+
+def _outward(frame):
+    while frame is not None:
+        yield frame
+        frame = frame.f_back
+
+
+def _frame_name(frame) -> str:
+    path = frame.f_code.co_filename
+    short = os.sep.join(path.split(os.sep)[-2:])
+    return f"{short}:{frame.f_lineno} in {frame.f_code.co_name}"
 
 
 def refuse_running_loop(what: str) -> None:

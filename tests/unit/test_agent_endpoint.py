@@ -457,9 +457,10 @@ async def test_an_agent_past_its_timeout_ends_its_episode_and_its_later_calls_ge
             statuses.append(exc.status_code)
         return 1.0
 
-    with pytest.raises(AgentTimeout, match="timeout of 0.5 s"):
+    with pytest.raises(AgentTimeout, match="timeout of 0.5 s") as expired:
         await agents(endpoint, url, slow, timeout_s=0.5).run_episode({}, Script(renderer, ["1", "2"]), 16)
     release.set()
+    assert expired.value.where.endswith(" in slow"), "the message says where the agent waited"
     with anyio.fail_after(30):
         while not statuses:
             await anyio.sleep(0.05)

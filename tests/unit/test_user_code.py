@@ -17,7 +17,7 @@ from orchestrator.errors import UserCodeTimeout
 from orchestrator.tasks.env import DONE, ToolEnvironment
 from orchestrator.tasks.episodes import EnvironmentEpisodes
 from orchestrator.tasks.turns import TurnRenderer
-from orchestrator.tasks.user_code import UserCode, current
+from orchestrator.tasks.user_code import UserCode, call_in_thread, current
 from tests.agent_helpers import Script
 
 
@@ -62,12 +62,39 @@ async def test_a_thread_past_its_timeout_is_abandoned_named_and_gives_its_slot_b
         with pytest.raises(UserCodeTimeout) as expired:
             await runner.call(stuck, timeout_s=0.2, what="tool 'stuck'")
         assert expired.value.what == "tool 'stuck'"
-        assert str(expired.value) == "tool 'stuck' ran past its timeout of 0.2 s"
+        assert str(expired.value).startswith("tool 'stuck' ran past its timeout of 0.2 s; it was at ")
+        # where its thread was: the user's line, not the runner's plumbing
+        assert expired.value.where.startswith("unit/test_user_code.py:") and expired.value.where.endswith(" in stuck")
         assert isinstance(expired.value, TimeoutError)
         assert started.is_set() and not release.is_set()
         assert runner.busy() == 0, "the abandoned thread holds no slot"
         # the only slot is free although the abandoned thread still runs: the next call runs
         assert await runner.call(lambda: "next", timeout_s=30, what="next") == "next"
+    finally:
+        release.set()
+
+
+async def test_a_thread_running_async_code_past_its_timeout_names_where_that_code_waits():
+    # An agent's thread runs the agent on an event loop of its own: its stack is that loop's
+    # select(); the message names the coroutines waiting instead.
+    runner, release = UserCode(threads=1), threading.Event()
+
+    async def waits_for_a_reply():
+        while not release.is_set():
+            await asyncio.sleep(0.01)
+
+    async def agent():
+        await waits_for_a_reply()
+
+    def agents_thread():
+        return call_in_thread(agent)
+
+    try:
+        with pytest.raises(UserCodeTimeout) as expired:
+            await runner.call(agents_thread, timeout_s=0.3, what="the agent")
+        where = expired.value.where
+        assert " in waits_for_a_reply <- " in where and where.endswith(" in agent"), where
+        assert "asyncio/" not in where and "tasks/user_code.py" not in where, where
     finally:
         release.set()
 
