@@ -18,7 +18,10 @@ journal entry for the others; with background checkpoints, the default, the snap
 waits for), `trainer_checkpoint_write_s_background` (median seconds of a background write, off
 the critical path), `trainer_publish_s_per_step`,
 `sync_reference_generate_s_per_step`, `sync_reference_train_s_per_step`, `startup_s` (inflight's
-command start to its first rollout) and `startup` (its phases, `orchestrator.run.startup`). The
+command start to its first rollout) and `startup` (its phases, `orchestrator.run.startup`); with
+`--after-target N` each inflight run goes on N steps past the one that reached the target, and
+`inflight_reward_min_after_target` is the lowest batch reward of those (a collapse after
+learning shows there; absent when the run stopped at the target). The
 first row's keys are repeated at the top level. Both commands run as child processes: each time
 counts its interpreter start and imports. A reached step stops the `inflight run` (SIGINT, its
 graceful stop).
@@ -63,6 +66,9 @@ def register(bench_sub) -> None:
     p.add_argument("--variant", action="append", default=[], metavar="LABEL=TOML",
                    help='one more inflight row against the same reference, e.g. '
                         '--variant "sync=[scheduler]\\nmode = \\"sync\\""')
+    p.add_argument("--after-target", type=int, default=0, metavar="STEPS",
+                   help="keep each inflight run going this many steps past the target (a collapse after it "
+                        "shows in inflight_reward_min_after_target); 0: stop at the target")
     p.add_argument("--keep", metavar="DIR", help="keep the run directories under DIR")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=bench_command)
@@ -129,7 +135,8 @@ def _unix(event: dict) -> float:
     return datetime.fromisoformat(event["timestamp"].replace("Z", "+00:00")).timestamp()
 
 
-def run_inflight(config_path: Path, run_dir: Path, target: float, max_steps: int) -> dict:
+def run_inflight(config_path: Path, run_dir: Path, target: float, max_steps: int, after_target: int = 0) -> dict:
+    """`after_target`: steps the run goes on past the one that reached the target (then stopped)."""
     started = time.time()
     log = (run_dir.parent / f"{run_dir.name}.log").open("w")
     proc = subprocess.Popen([sys.executable, "-m", "orchestrator.commands.cli", "run", str(config_path), "--run-dir",
@@ -137,10 +144,12 @@ def run_inflight(config_path: Path, run_dir: Path, target: float, max_steps: int
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     reached = None
     try:
-        while proc.poll() is None and reached is None:
+        while proc.poll() is None:
             time.sleep(POLL_S)
-            reached = next((e for e in _events(run_dir) if e.get("event") == "trainer.step_done"
-                            and e.get("reward") is not None and e["reward"] >= target), None)
+            done = [e for e in _events(run_dir) if e.get("event") == "trainer.step_done" and e.get("reward") is not None]
+            reached = reached or next((e for e in done if e["reward"] >= target), None)
+            if reached is not None and max((e["step"] for e in done), default=0) >= reached["step"] + after_target:
+                break
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGINT)  # the graceful stop: every rollout gets its record
         code = proc.wait(STOP_GRACE_S)
@@ -190,6 +199,12 @@ def _inflight_figures(run_dir: Path, started: float, reached: dict | None) -> di
            "steps_to_target": last_step,
            "staleness_mean": statistics.mean(staleness) if staleness else None,
            "rewards": [round(e["reward"], 4) for e in events if e.get("event") == "trainer.step_done"]}
+    if reached is not None:
+        after = [e["reward"] for e in events if e.get("event") == "trainer.step_done" and e.get("reward") is not None
+                 and e["step"] > reached["step"]]
+        if after:  # observed only: absent when the run stopped at the target
+            out["reward_min_after_target"] = min(after)
+            out["steps_after_target"] = len(after)
     for key, values in metrics.items():
         if values:
             out[f"{key}_per_step"] = statistics.median(values)
@@ -227,7 +242,8 @@ def measure(name: str, args: argparse.Namespace, work: Path) -> list[dict]:
             print(f"time-to-reward: {name}: the synchronous reference ...", file=sys.stderr, flush=True)
             reference = run_reference(model_dir, msgspec.json.encode(config).decode(), args.target, args.max_steps)
         print(f"time-to-reward: {name}: inflight run ({config.scheduler.admission}) ...", file=sys.stderr, flush=True)
-        inflight = run_inflight(config_path, work / f"{label}-run", args.target, args.max_steps)
+        inflight = run_inflight(config_path, work / f"{label}-run", args.target, args.max_steps,
+                                getattr(args, "after_target", 0))
         rows.append({"variant": suffix, **_row(name, workload, config, args, inflight, reference)})
     return rows
 
@@ -247,7 +263,9 @@ def _row(name: str, workload: dict, config, args: argparse.Namespace, inflight: 
                         ("trainer_checkpoint_s_per_step", "checkpoint_s_per_step"),
                         ("trainer_journal_s_per_step", "journal_s_per_step"),
                         ("trainer_publish_s_per_step", "publish_s_per_step"),
-                        ("trainer_checkpoint_write_s_background", "checkpoint_write_s_per_step")):
+                        ("trainer_checkpoint_write_s_background", "checkpoint_write_s_per_step"),
+                        ("inflight_reward_min_after_target", "reward_min_after_target"),
+                        ("inflight_steps_after_target", "steps_after_target")):
         if inflight.get(source) is not None:
             row[key] = inflight[source]
     row["sync_reference_generate_s_per_step"] = reference["generate_s_per_step"]

@@ -65,3 +65,26 @@ def test_the_cost_of_making_steps_durable_is_the_mean_over_every_step(tmp_path):
     assert figures["checkpoint_s_per_step"] == pytest.approx(1.0)  # 2 checkpoints x 3 s / 6 steps
     assert figures["journal_s_per_step"] == pytest.approx(0.02)
     assert figures["train_s_per_step"] == pytest.approx(3.5)
+
+
+def test_the_steps_past_the_target_report_their_lowest_reward_and_none_is_invented(tmp_path):
+    """--after-target: a run kept going past the step that reached the target reports the lowest
+    batch reward of the steps after it (a collapse shows there); a run stopped at the target
+    reports no such figure."""
+    import json
+
+    from orchestrator.bench.time_to_reward import _inflight_figures
+    from replay.log import ReplayLog
+
+    with ReplayLog.open(tmp_path):
+        pass
+    rewards = [0.2, 0.95, 1.0, 0.0, 0.5]
+    (tmp_path / "orchestrator.jsonl").write_text("".join(
+        json.dumps({"event": "trainer.step_done", "step": s, "reward": r, "timestamp": f"2026-12-05T01:00:0{s}Z"})
+        + "\n" for s, r in enumerate(rewards, start=1)))
+    reached = {"event": "trainer.step_done", "step": 2, "reward": 0.95, "timestamp": "2026-12-05T01:00:02Z"}
+    figures = _inflight_figures(tmp_path, 0.0, reached)
+    assert figures["reward_min_after_target"] == 0.0 and figures["steps_after_target"] == 3
+    assert figures["steps_to_target"] == 2
+    stopped = {**reached, "step": 5, "reward": 0.5}
+    assert "reward_min_after_target" not in _inflight_figures(tmp_path, 0.0, stopped)
