@@ -103,6 +103,19 @@ def _merge_toml(base: str, extra: list[str]) -> str:
     return "\n".join(top) + ("\n" if top else "") + "".join(tables)
 
 
+def _seed(extra: list[str]) -> int:
+    """The run's seed that `--set` gives (run.seed; 0 when none does): it seeds the model's build too."""
+    import tomllib
+
+    return int(tomllib.loads(_merge_toml("", extra)).get("run", {}).get("seed", 0))
+
+
+def _model_for(preset: str, seed: int) -> tuple[Path, str, int]:
+    """(directory, preset, seed) of the workload's model: one directory per seed, since a model
+    built with another seed is refused by the run (it asked for this one)."""
+    return MODELS / (preset if seed == 0 else f"{preset}-seed{seed}"), preset, seed
+
+
 def run_reference(model_dir: Path, config_json: str, target: float, max_steps: int) -> dict:
     proc = subprocess.run([sys.executable, "-m", "orchestrator.bench.sync_reference", "--model", str(model_dir),
                            "--config-json", config_json, "--target", str(target), "--max-steps", str(max_steps)],
@@ -223,7 +236,7 @@ def measure(name: str, args: argparse.Namespace, work: Path) -> list[dict]:
     from orchestrator.model import ensure_model
 
     workload = WORKLOADS[name]
-    model_dir = ensure_model(MODELS / workload["preset"], preset=workload["preset"]).resolve()
+    model_dir = ensure_model(*_model_for(workload["preset"], _seed(args.set))).resolve()
     reference = None
     rows = []
     admissions = args.admission if args.admission is not None else ([] if args.variant else [None])

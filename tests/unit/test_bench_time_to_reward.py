@@ -88,3 +88,14 @@ def test_the_steps_past_the_target_report_their_lowest_reward_and_none_is_invent
     assert figures["steps_to_target"] == 2
     stopped = {**reached, "step": 5, "reward": 0.5}
     assert "reward_min_after_target" not in _inflight_figures(tmp_path, 0.0, stopped)
+
+
+def test_a_seed_given_by_set_gets_a_model_built_with_that_seed():
+    """The run's seed seeds its model's build too: a model built with another seed is refused by
+    the run, so each seed has its own directory (seed 0 keeps the preset's)."""
+    from orchestrator.bench.time_to_reward import MODELS, _model_for, _seed
+
+    assert _seed([]) == 0 and _seed(["[trainer]\\nthreads = 2"]) == 0
+    assert _seed(["[run]\\nseed = 2", "[trainer]\\nthreads = 2"]) == 2
+    assert _model_for("small-rl", 0) == (MODELS / "small-rl", "small-rl", 0)
+    assert _model_for("small-rl", 2) == (MODELS / "small-rl-seed2", "small-rl", 2)
