@@ -96,17 +96,17 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_retries: int = 2
     # async: sample while the trainer steps; sync: each step waits for rollouts of the newest version.
     mode: Literal["async", "sync"] = "async"
-    # async: when groups are admitted. eager: at once, up to the bound above, so when the trainer
-    # is the bottleneck every sample is as stale as the bound allows. just_in_time: only when
-    # waiting for the next version would make the trainer wait (paced by the trainer's step time
-    # and the generation round it observes), so samples come from the newest version that can
-    # still be ready in time; when generation is the bottleneck that is the bound, as eager. The
-    # trade-off: a generation round longer than the ones observed so far can make the trainer
-    # wait (at most about one round), which eager's buffer of (max_off_policy_steps + 1) batches
-    # would have hidden, at the price of staler samples. Eager stays the default for now: on the
-    # small preset (64 tokens, lr 3e-3) two just-in-time runs learned faster, then collapsed to
-    # reward 0 (eager and sync with the same seeds did not); one run each, cause not yet known.
-    admission: Literal["just_in_time", "eager"] = "eager"
+    # async: when groups are admitted. just_in_time (the default): only when waiting for the next
+    # version would make the trainer wait (paced by the trainer's step time and the generation
+    # round it observes), so samples come from the newest version that can still be ready in
+    # time; when generation is the bottleneck that is the bound, as eager. eager: at once, up to
+    # the bound above, so when the trainer is the bottleneck every sample is as stale as the bound
+    # allows. The trade-off: a generation round longer than the ones observed so far can make the
+    # trainer wait (at most about one round), which eager's buffer of (max_off_policy_steps + 1)
+    # batches would have hidden, at the price of staler samples. Measured (docs/architecture.md,
+    # "Admission"): fewer steps and less time to reward 0.9 on the trainer-bound `small` workload
+    # (three seeds), the same on the generation-bound `tiny` one.
+    admission: Literal["just_in_time", "eager"] = "just_in_time"
     # What the staleness bound measures. dispatch: the version a rollout was dispatched at (every
     # token within the bound). majority: the newest version under which more than half of its
     # tokens were sampled: a long rollout that spans versions is kept more often (fewer stale

@@ -214,7 +214,7 @@ def test_a_drained_engine_receives_nothing_more_and_its_late_finish_is_handled()
 
 def test_capacity_two_to_one_gives_about_two_to_one_dispatches():
     rng = random.Random(7)
-    world = FleetWorld(config(group_size=4, batch_groups=2, max_off_policy_steps=1000, max_inflight=24),
+    world = FleetWorld(config(group_size=4, batch_groups=2, max_off_policy_steps=1000, max_inflight=24, admission="eager"),
                        engines=("big", "small"), max_steps=10_000, capacities={"big": 16, "small": 8})
     for _ in range(3000):
         world.finish(world.inflight[rng.randrange(len(world.inflight))], "completed")
