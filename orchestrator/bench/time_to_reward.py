@@ -294,6 +294,10 @@ def _row(name: str, workload: dict, config, args: argparse.Namespace, inflight: 
 
 
 def bench_command(args: argparse.Namespace) -> int:
+    from orchestrator.errors import ConfigError
+
+    if args.after_target < 0:
+        raise ConfigError("--after-target", f"must be >= 0 (steps past the target), got {args.after_target}")
     keep = Path(args.keep) if args.keep else None
     if keep is not None:
         keep.mkdir(parents=True, exist_ok=True)

@@ -99,3 +99,13 @@ def test_a_seed_given_by_set_gets_a_model_built_with_that_seed():
     assert _seed(["[run]\\nseed = 2", "[trainer]\\nthreads = 2"]) == 2
     assert _model_for("small-rl", 0) == (MODELS / "small-rl", "small-rl", 0)
     assert _model_for("small-rl", 2) == (MODELS / "small-rl-seed2", "small-rl", 2)
+
+
+def test_a_negative_after_target_is_refused_naming_the_flag():
+    import argparse
+
+    from orchestrator.bench.time_to_reward import bench_command
+    from orchestrator.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--after-target"):
+        bench_command(argparse.Namespace(after_target=-1, keep=None, workloads=["tiny"]))
