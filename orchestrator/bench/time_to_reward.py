@@ -43,6 +43,8 @@ from pathlib import Path
 
 import msgspec
 
+from orchestrator.errors import ConfigError, InflightError
+
 MODELS = Path(".inflight") / "bench-models"
 WORKLOADS = {
     "small": {"preset": "small-rl", "group_size": 4, "batch_groups": 8, "max_tokens": 64, "lr": 3e-3},
@@ -91,7 +93,11 @@ def _merge_toml(base: str, extra: list[str]) -> str:
 
     merged = tomllib.loads(base)
     for text in extra:
-        for table, values in tomllib.loads(text.replace("\\n", "\n")).items():
+        try:
+            parsed = tomllib.loads(text.replace("\\n", "\n"))
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError("--set/--variant", f"{text!r} is not TOML: {exc}") from None
+        for table, values in parsed.items():
             if isinstance(values, dict):
                 merged.setdefault(table, {}).update(values)
             else:
@@ -107,7 +113,10 @@ def _seed(extra: list[str]) -> int:
     """The run's seed that `--set` gives (run.seed; 0 when none does): it seeds the model's build too."""
     import tomllib
 
-    return int(tomllib.loads(_merge_toml("", extra)).get("run", {}).get("seed", 0))
+    seed = tomllib.loads(_merge_toml("", extra)).get("run", {}).get("seed", 0)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ConfigError("--set", f"run.seed must be an integer, got {seed!r}")
+    return seed
 
 
 def _model_for(preset: str, seed: int) -> tuple[Path, str, int]:
@@ -121,7 +130,7 @@ def run_reference(model_dir: Path, config_json: str, target: float, max_steps: i
                            "--config-json", config_json, "--target", str(target), "--max-steps", str(max_steps)],
                           capture_output=True, text=True)
     if proc.returncode != 0:
-        raise RuntimeError(f"the synchronous reference failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
+        raise InflightError(f"the synchronous reference failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
     lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
     steps = [x for x in lines if "step" in x]
     summary = next(x for x in lines if x.get("summary"))
@@ -172,7 +181,7 @@ def run_inflight(config_path: Path, run_dir: Path, target: float, max_steps: int
     finally:
         log.close()
     if code not in (0, 130) and reached is None:
-        raise RuntimeError(f"inflight run exited {code}: see {run_dir.parent / (run_dir.name + '.log')}")
+        raise InflightError(f"inflight run exited {code}: see {run_dir.parent / (run_dir.name + '.log')}")
     return _inflight_figures(run_dir, started, reached)
 
 
@@ -232,11 +241,11 @@ def _inflight_figures(run_dir: Path, started: float, reached: dict | None) -> di
 def measure(name: str, args: argparse.Namespace, work: Path) -> list[dict]:
     """The workload's rows: one reference run, then one inflight run per admission."""
     from orchestrator.config.run import load_config
-    from orchestrator.errors import ConfigError
     from orchestrator.model import ensure_model
 
     workload = WORKLOADS[name]
-    model_dir = ensure_model(*_model_for(workload["preset"], _seed(args.set))).resolve()
+    seed = _seed(args.set)
+    model_dir = ensure_model(*_model_for(workload["preset"], seed)).resolve()
     reference = None
     rows = []
     admissions = args.admission if args.admission is not None else ([] if args.variant else [None])
@@ -246,17 +255,24 @@ def measure(name: str, args: argparse.Namespace, work: Path) -> list[dict]:
         if not sep or not label:
             raise ConfigError("--variant", f"expected LABEL=TOML, got {variant!r}")
         runs.append((label, None, [*args.set, text]))
+    # Every run's config is written and checked before the first run starts: a bad variant is
+    # refused at once, not after the runs before it.
+    planned = []
     for suffix, admission, extra in runs:
         label = f"{name}-{suffix}"
         config_path = work / f"{label}.toml"
         config_path.write_text(_merge_toml(config_toml(model_dir, workload, admission), extra))
         config = load_config(config_path)
+        if config.run.seed != seed:  # the model and the reference are built once, for --set's seed
+            raise ConfigError(f"--variant {suffix}", f"run.seed {config.run.seed} differs from --set's {seed}: "
+                                                     "give the seed with --set (one invocation per seed)")
+        planned.append((suffix, label, config_path, config))
+    for suffix, label, config_path, config in planned:
         if reference is None:  # the same for every admission: the loop has no scheduler
             print(f"time-to-reward: {name}: the synchronous reference ...", file=sys.stderr, flush=True)
             reference = run_reference(model_dir, msgspec.json.encode(config).decode(), args.target, args.max_steps)
         print(f"time-to-reward: {name}: inflight run ({config.scheduler.admission}) ...", file=sys.stderr, flush=True)
-        inflight = run_inflight(config_path, work / f"{label}-run", args.target, args.max_steps,
-                                getattr(args, "after_target", 0))
+        inflight = run_inflight(config_path, work / f"{label}-run", args.target, args.max_steps, args.after_target)
         rows.append({"variant": suffix, **_row(name, workload, config, args, inflight, reference)})
     return rows
 
@@ -294,8 +310,6 @@ def _row(name: str, workload: dict, config, args: argparse.Namespace, inflight: 
 
 
 def bench_command(args: argparse.Namespace) -> int:
-    from orchestrator.errors import ConfigError
-
     if args.after_target < 0:
         raise ConfigError("--after-target", f"must be >= 0 (steps past the target), got {args.after_target}")
     keep = Path(args.keep) if args.keep else None

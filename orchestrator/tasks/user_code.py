@@ -372,7 +372,7 @@ _thread_loop = _ThreadLoop()
 _LOOP_OF_THREAD: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 # Frames of this package's plumbing and of asyncio's: never where the user's code is.
 _PLUMBING = (os.sep + "asyncio" + os.sep, os.path.join("orchestrator", "tasks", "user_code.py"),
-             os.path.join("orchestrator", "tasks", "agent.py"), "selectors.py", "threading.py")
+             os.path.join("orchestrator", "tasks", "agent.py"), os.sep + "selectors.py", os.sep + "threading.py")
 
 
 def where_is(thread: threading.Thread | None, frames: int = 3) -> str | None:
@@ -385,7 +385,8 @@ def where_is(thread: threading.Thread | None, frames: int = 3) -> str | None:
         stacks = []
         loop = _LOOP_OF_THREAD.get(thread.ident)
         if loop is not None and not loop.is_closed():
-            # Read from another thread, for a message only: a task set that changes meanwhile is retried by the caller.
+            # Read from another thread, for a message only: a task set that changes meanwhile
+            # raises RuntimeError, and the place is then not known (None).
             for task in list(asyncio.all_tasks(loop)):
                 stacks.append(list(_awaiting(task.get_coro())))
         frame = sys._current_frames().get(thread.ident)

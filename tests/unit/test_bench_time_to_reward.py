@@ -109,3 +109,13 @@ def test_a_negative_after_target_is_refused_naming_the_flag():
 
     with pytest.raises(ConfigError, match="--after-target"):
         bench_command(argparse.Namespace(after_target=-1, keep=None, workloads=["tiny"]))
+
+
+def test_a_set_that_is_not_toml_or_a_seed_that_is_not_an_integer_is_refused_naming_the_flag():
+    from orchestrator.bench.time_to_reward import _seed
+    from orchestrator.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--set/--variant: '\\[run' is not TOML"):
+        _seed(["[run"])
+    with pytest.raises(ConfigError, match="run.seed must be an integer, got 'x'"):
+        _seed(['[run]\\nseed = "x"'])
