@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import msgspec
@@ -123,6 +124,12 @@ class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # waits for the writer and is written: bounds the steps a resume trains again (k + 2
     # checkpoint intervals at most) and so its time.
     checkpoint_max_skips: int = 2
+    # A bound on one step's move of the policy, in nats a token: the rate is scaled down (at most
+    # to lr / 1000) while steps move the sampled tokens' distribution by more than twice this,
+    # back up towards `lr` while by less than half (orchestrator/trainer/kl_control.py;
+    # docs/trainer.md, "One step's size"). Measured from samples older than the trainer, so a
+    # synchronous loop (every sample lag 0) keeps `lr`. None: `lr` at every step.
+    kl_target: float | None = None
 
     @property
     def torchrun(self) -> bool:
@@ -163,6 +170,8 @@ class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                                                                "each checkpoint together")
         if self.checkpoint_max_skips < 0:
             raise ConfigError("trainer.checkpoint_max_skips", f"must be >= 0, got {self.checkpoint_max_skips}")
+        if self.kl_target is not None and not (self.kl_target > 0 and math.isfinite(self.kl_target)):
+            raise ConfigError("trainer.kl_target", f"must be > 0 (or unset), got {self.kl_target}")
         if self.grad_clip < 0 or self.weight_decay < 0:
             raise ConfigError("trainer.grad_clip" if self.grad_clip < 0 else "trainer.weight_decay", "must be >= 0")
         if self.world_size < 1:

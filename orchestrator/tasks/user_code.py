@@ -2,11 +2,11 @@
 
     result = await user_code.call(fn, *args, timeout_s=30.0, what="tool 'add'")
 
-- A plain `def` runs in a worker thread, never on an event loop. One limiter per run bounds the
-  threads running calls at once: `threads`, sized by the run from `scheduler.max_inflight`. A
-  rollout makes one call at a time (an agent holds one for its whole episode; an environment's
-  plain reset or step, a tool, a score one each), so no rollout waits for a thread behind the
-  others.
+- A plain `def` runs in a worker thread (kept between calls: `worker_threads`), never on an
+  event loop. One limiter per run bounds the threads running calls at once: `threads`, sized by
+  the run from `scheduler.max_inflight`. A rollout makes one call at a time (an agent holds one
+  for its whole episode; an environment's plain reset or step, a tool, a score one each), so no
+  rollout waits for a thread behind the others.
 - An `async def` runs on the user-code loop: one thread with its own asyncio loop, never the
   run's. Only async code runs there, never a plain `def` (a tool or a score that an environment's
   step calls goes to a worker thread like any other), so a blocking function cannot stall the
@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import anyio
 
 from orchestrator.errors import UserCodeTimeout
+from orchestrator.tasks.worker_threads import WorkerThreads
 
 # A run's default when it does not say (scheduler.max_inflight's default).
 DEFAULT_THREADS = 256
@@ -81,6 +82,7 @@ class UserCode:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._hops: _Hops | None = None  # the crossings between the run's loop and the user-code loop
+        self._workers = WorkerThreads()  # plain defs' threads, kept between calls
 
     async def call(self, fn: Callable, *args, timeout_s: float, what: str, here: bool = False):
         """`fn(*args)`, awaited when async, where its kind runs; UserCodeTimeout past `timeout_s`."""
@@ -99,7 +101,8 @@ class UserCode:
         return sum(int(limiter.borrowed_tokens) for limiter in list(self._limiters.values()))
 
     def close(self) -> None:
-        """Stop the user-code loop (a later async call starts another)."""
+        """Stop the user-code loop (a later async call starts another) and the idle worker threads."""
+        self._workers.close()
         with self._lock:
             loop, thread, self._loop, self._thread = self._loop, self._thread, None, None
         if loop is not None and loop.is_running():
@@ -126,10 +129,8 @@ class UserCode:
     async def _run_in_thread(self, fn, args, call: _Call):
         loop = asyncio.get_running_loop()
         done = loop.create_future()
-        worker = threading.Thread(target=_work, args=(loop, done, fn, args), daemon=True,
-                                  name=f"{self.name}: {call.what}"[:80])
-        call.thread = worker
-        worker.start()
+        call.thread = self._workers.submit(functools.partial(_work, loop, done, fn, args),
+                                           name=f"{self.name}: {call.what}"[:80])
         result = await done  # cancelled (a timeout, the run's cancellation): the thread is abandoned
         if inspect.isawaitable(result):  # a plain def that returned a coroutine: the rest runs as async code
             result = await self._on_user_loop(lambda: result, call)
@@ -319,12 +320,16 @@ async def _invoke(make: Callable, call: _Call):
     return await make()
 
 
-def _work(loop: asyncio.AbstractEventLoop, done: asyncio.Future, fn, args) -> None:
-    """A worker thread's body: fn(*args), its outcome handed to the waiting loop."""
+def _work(loop: asyncio.AbstractEventLoop, done: asyncio.Future, fn, args) -> Callable[[], None]:
+    """A worker thread's call: fn(*args); returns what hands its outcome to the waiting loop."""
     try:
         result, error = fn(*args), None
     except BaseException as exc:  # noqa: BLE001 - the caller re-raises it
         result, error = None, exc
+    return functools.partial(_hand_back, loop, done, result, error)
+
+
+def _hand_back(loop: asyncio.AbstractEventLoop, done: asyncio.Future, result, error: BaseException | None) -> None:
     try:
         loop.call_soon_threadsafe(_settle, done, result, error)
     except RuntimeError:  # the loop is closed: nobody waits for an abandoned call
@@ -372,7 +377,8 @@ _thread_loop = _ThreadLoop()
 _LOOP_OF_THREAD: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 # Frames of this package's plumbing and of asyncio's: never where the user's code is.
 _PLUMBING = (os.sep + "asyncio" + os.sep, os.path.join("orchestrator", "tasks", "user_code.py"),
-             os.path.join("orchestrator", "tasks", "agent.py"), os.sep + "selectors.py", os.sep + "threading.py")
+             os.path.join("orchestrator", "tasks", "worker_threads.py"), os.path.join("orchestrator", "tasks", "agent.py"),
+             os.sep + "selectors.py", os.sep + "threading.py")
 
 
 def where_is(thread: threading.Thread | None, frames: int = 3) -> str | None:

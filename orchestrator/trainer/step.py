@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from orchestrator.config.run import TrainerConfig
+from orchestrator.trainer.kl_control import next_lr, per_step_kl
 from orchestrator.trainer.link import Sample, unpack_f32, unpack_i32
 from orchestrator.trainer.lora import dropout_off, has_dropout
 from orchestrator.trainer.loss import (
@@ -106,8 +107,9 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, samples
     # The loss is a token mean over the whole batch: each micro-batch's token sum / all tokens.
     acc = _accumulate(model, data, list(range(len(samples))), plan, config, pad_id, temperature,
                       device or torch.device("cpu"), scale=1.0 / max(data.tokens, 1))
+    paced = _pace(optimizer, config, samples, step, acc.log_ratio_mean.tolist())
     grad_norm = _clip_and_step(model, optimizer, config)
-    metrics = {**merge_stats(acc.stats), "grad_norm": grad_norm, "samples": float(len(samples))}
+    metrics = {**merge_stats(acc.stats), "grad_norm": grad_norm, "samples": float(len(samples)), **paced}
     metrics.update(_staleness(samples, step))
     return StepResult(loss=acc.loss_sum / max(data.tokens, 1), reward_mean=float(data.rewards.mean()),
                       metrics=metrics, rollout_ids=[s.rollout_id for s in samples],
@@ -141,12 +143,15 @@ def train_step_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                       scale=ranks.world / max(data.tokens, 1))
     for _ in range(passes - len(plan)):
         _idle_pass(model, pad_id, temperature, device)
-    grad_norm = _clip_and_step(model, optimizer, config)
-
+    # Gathered before the step: every rank paces it from the whole batch's log ratios, the same rate.
     parts: list = [None] * ranks.world
     dist.all_gather_object(parts, (acc.loss_sum, merge_stats(acc.stats), acc.log_ratio_mean.tolist(),
                                    acc.log_ratio_max_abs.tolist()))
-    metrics = {**merge_stats([p[1] for p in parts]), "grad_norm": grad_norm, "samples": float(len(samples))}
+    paced = _pace(optimizer, config, samples, step, [v for p in parts for v in p[2]])
+    grad_norm = _clip_and_step(model, optimizer, config)
+
+    metrics = {**merge_stats([p[1] for p in parts]), "grad_norm": grad_norm, "samples": float(len(samples)),
+               **paced}
     metrics.update(_staleness(samples, step))
     return StepResult(loss=sum(p[0] for p in parts) / max(data.tokens, 1), reward_mean=float(data.rewards.mean()),
                       metrics=metrics, rollout_ids=[s.rollout_id for s in samples],
@@ -211,6 +216,20 @@ def _idle_pass(model: torch.nn.Module, pad_id: int, temperature: float, device: 
         _clean_logprobs(model, batch, temperature, device)
     logp = completion_logprobs(model, _on(batch, device), temperature)
     (logp.sum() * 0.0).backward()
+
+
+def _pace(optimizer: torch.optim.Optimizer, config: TrainerConfig, samples: Sequence[Sample],
+          step: int | None, log_ratio_mean: list[float]) -> dict[str, float]:
+    """`trainer.kl_target`: the rate this step takes, from how far the steps before it moved the
+    policy (this batch's log ratios, measured before the step: `kl_control`); its figures for the
+    step's metrics. Nothing without a target or a step number (no lags)."""
+    if config.kl_target is None or step is None:
+        return {}
+    kl = per_step_kl([(step - 1) - s.dispatched_version for s in samples], log_ratio_mean)
+    lr = next_lr(optimizer.param_groups[0]["lr"], config.lr, kl, config.kl_target)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return {"lr": lr} if kl is None else {"lr": lr, "kl_per_step": kl}
 
 
 def _clip_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: TrainerConfig) -> float:

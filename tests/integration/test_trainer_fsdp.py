@@ -66,7 +66,8 @@ async def engine(tiny_model_dir):
 
 
 def _config(world_size: int) -> RunConfig:
-    return RunConfig(trainer=TrainerConfig(threads=1, world_size=world_size, bucket_bytes=BUCKET),
+    # kl_target: every rank paces the step from the whole batch (on-policy here: the rate stays).
+    return RunConfig(trainer=TrainerConfig(threads=1, world_size=world_size, bucket_bytes=BUCKET, kl_target=0.1),
                      transport=TransportConfig(keep_last=8)).validate()
 
 
@@ -132,6 +133,7 @@ def _check_step(done, ref, run_dir: Path, step: int) -> dict[str, torch.Tensor]:
     assert done.metrics["tokens"] == ref.metrics["tokens"]
     assert done.metrics["ratio_max"] == pytest.approx(ref.metrics["ratio_max"], abs=1e-5)
     assert done.metrics["grad_norm"] == pytest.approx(ref.metrics["grad_norm"], rel=1e-4)
+    assert done.metrics["lr"] == ref.metrics["lr"]
     np.testing.assert_allclose(unpack_f32(done.log_ratio_mean), np.asarray(ref.log_ratio_mean, dtype=np.float32),
                                atol=1e-5)
     # Extra memory on each rank while publishing, counted (the arenas, and the gathered tensors

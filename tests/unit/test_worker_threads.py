@@ -1,0 +1,79 @@
+"""Plain-`def` user code's worker threads are kept between calls (`worker_threads`): reused, never
+while a call still runs on them, each call in an empty context, idle ones ending."""
+
+from __future__ import annotations
+
+import contextvars
+import threading
+import time
+
+import pytest
+
+from orchestrator.errors import UserCodeTimeout
+from orchestrator.tasks import worker_threads
+from orchestrator.tasks.user_code import UserCode
+
+pytestmark = pytest.mark.timeout(60)
+
+MARK: contextvars.ContextVar[str] = contextvars.ContextVar("mark")
+
+
+async def test_calls_in_turn_reuse_one_thread_and_see_nothing_of_the_last_calls_context():
+    runner = UserCode(threads=4)
+
+    def first():
+        MARK.set("left by the first call")
+        return threading.get_ident()
+
+    def second():
+        return threading.get_ident(), MARK.get("unset")
+
+    try:
+        one = await runner.call(first, timeout_s=10, what="first")
+        two, seen = await runner.call(second, timeout_s=10, what="second")
+        assert two == one, "the second call took the idle thread, not a new one"
+        assert seen == "unset"
+        assert runner._workers.idle() == 1
+    finally:
+        runner.close()
+
+
+async def test_a_thread_whose_call_was_abandoned_is_not_given_another_until_that_call_returns():
+    runner, release = UserCode(threads=2), threading.Event()
+
+    def stuck():
+        release.wait(30)
+        return threading.get_ident()
+
+    try:
+        with pytest.raises(UserCodeTimeout):
+            await runner.call(stuck, timeout_s=0.2, what="stuck")
+        abandoned = runner._workers.idle()
+        other = await runner.call(threading.get_ident, timeout_s=10, what="meanwhile")
+        assert abandoned == 0
+        release.set()
+        deadline = time.monotonic() + 10
+        while runner._workers.idle() < 2 and time.monotonic() < deadline:  # the stuck call returns
+            time.sleep(0.01)
+        assert runner._workers.idle() == 2, "the abandoned thread came back once its call returned"
+        assert len({other, *(w.thread.ident for w in runner._workers._idle)}) == 2
+    finally:
+        release.set()
+        runner.close()
+
+
+def test_idle_threads_end_after_idle_s_and_at_close(monkeypatch):
+    monkeypatch.setattr(worker_threads, "IDLE_S", 0.1)
+    pool, done = worker_threads.WorkerThreads(), threading.Event()
+    first = pool.submit(lambda: done.set, name="a call")
+    assert done.wait(10)
+    first.join(10)
+    assert not first.is_alive() and pool.idle() == 0, "idle past IDLE_S: ended and off the list"
+    monkeypatch.setattr(worker_threads, "IDLE_S", 30.0)
+    done.clear()
+    second = pool.submit(lambda: done.set, name="another call")
+    assert done.wait(10)
+    assert pool.idle() == 1  # idle before it told its caller
+    pool.close()
+    second.join(10)
+    assert not second.is_alive() and pool.idle() == 0
