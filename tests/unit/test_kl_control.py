@@ -90,3 +90,21 @@ def test_without_a_target_or_with_only_fresh_samples_the_rate_stays(rl_model):
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
     result = train_step(model, optimizer, samples, TrainerConfig(lr=3e-3, kl_target=0.1), pad_id=pad, step=5)
     assert result.metrics["lr"] == 3e-3 and "kl_per_step" not in result.metrics
+
+
+def test_a_checkpoint_resumes_at_the_paced_rate_not_trainer_lr(rl_model, tmp_path):
+    from orchestrator.trainer import checkpoint
+    from orchestrator.trainer.step import train_step
+
+    config = TrainerConfig(lr=3e-3, kl_target=0.1)
+    model, samples, pad = _batch(rl_model, lag=1, shift=0.4, step=3)
+    optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
+    paced = train_step(model, optimizer, samples, config, pad_id=pad, step=3).metrics["lr"]
+    assert paced < config.lr
+    meta = checkpoint.CheckpointMeta(step=1, version=1, created_unix=0.0,
+                                     consumption=checkpoint.Consumption([], [], [], [], 0.0, 0.0, {}))
+    checkpoint.save(tmp_path, model, optimizer, meta, keep=1)
+    resumed, _, _ = _batch(rl_model, lag=1, shift=0.4, step=3)
+    fresh = torch.optim.Adam(resumed.parameters(), lr=config.lr)  # as the trainer makes it at start
+    checkpoint.load(tmp_path, 1, resumed, fresh)
+    assert fresh.param_groups[0]["lr"] == paced
