@@ -42,7 +42,11 @@ class _Worker:
             # Idle before the caller hears the outcome: a caller that calls again at once finds
             # this thread, not a new one.
             self.pool._idle_again(self)
-            hand_back()
+            try:
+                hand_back()
+            except BaseException:
+                self.pool._retire(self)  # never left on the idle list to swallow the next call
+                raise
             del hand_back
 
 

@@ -77,3 +77,18 @@ def test_idle_threads_end_after_idle_s_and_at_close(monkeypatch):
     pool.close()
     second.join(10)
     assert not second.is_alive() and pool.idle() == 0
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # raised on purpose
+def test_a_thread_whose_hand_back_fails_leaves_the_idle_list_and_the_next_call_runs():
+    pool, ran = worker_threads.WorkerThreads(), threading.Event()
+
+    def broken():
+        raise RuntimeError("the caller's loop went away")
+
+    first = pool.submit(lambda: broken, name="its caller is gone")
+    first.join(10)
+    assert not first.is_alive() and pool.idle() == 0
+    pool.submit(lambda: ran.set, name="next")
+    assert ran.wait(10)
+    pool.close()
