@@ -26,7 +26,8 @@
 
 `call_in_thread(fn, ...)` is the other half, for code that is already in a worker thread (a
 scoring thread or process, an agent's thread): fn, and an awaitable it returns run to the end on
-that thread's own event loop (one per thread, reused, closed when the thread ends).
+that thread's own event loop (one per thread, reused, closed when the thread ends; on this
+runner's worker threads, closed at the end of each call: `end_thread_loop`).
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ class UserCode:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._hops: _Hops | None = None  # the crossings between the run's loop and the user-code loop
-        self._workers = WorkerThreads()  # plain defs' threads, kept between calls
+        self._workers = WorkerThreads(after_call=end_thread_loop)  # plain defs' threads, kept between calls
 
     async def call(self, fn: Callable, *args, timeout_s: float, what: str, here: bool = False):
         """`fn(*args)`, awaited when async, where its kind runs; UserCodeTimeout past `timeout_s`."""
@@ -372,6 +373,28 @@ class _LoopCloser:
 
 
 _thread_loop = _ThreadLoop()
+THREAD_LOOP_CLOSE_S = 1.0  # how long a call's leftover tasks get to finish once cancelled
+
+
+def end_thread_loop() -> None:
+    """On a worker thread after a call into user code: what the call left on the thread ends with
+    it, as it did when each call had a thread of its own: its event loop (tasks still pending are
+    cancelled and get `THREAD_LOOP_CLOSE_S` to finish, async generators are closed) and the
+    thread's current-loop setting (`asyncio.set_event_loop`). The next call starts clean."""
+    loop, _thread_loop.loop = _thread_loop.loop, None
+    try:
+        if loop is not None and not loop.is_closed() and not loop.is_running():
+            try:
+                pending = asyncio.all_tasks(loop)
+                for task in pending:
+                    task.cancel()
+                if pending:
+                    loop.run_until_complete(asyncio.wait(pending, timeout=THREAD_LOOP_CLOSE_S))
+                loop.run_until_complete(loop.shutdown_asyncgens())
+            finally:
+                loop.close()
+    finally:
+        asyncio.set_event_loop(None)
 # Each worker thread's own loop, by thread id (weakly: gone with the loop), so that a call that
 # runs past its time can say where its async code waits (`where_is`).
 _LOOP_OF_THREAD: weakref.WeakValueDictionary = weakref.WeakValueDictionary()

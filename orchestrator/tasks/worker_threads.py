@@ -9,14 +9,20 @@ its caller until the new thread runs, and on a busy run's loop that is a hand-ov
 row is fetched so for every group.
 
 Each call runs in a fresh, empty `contextvars.Context`, as it would on a new thread: nothing one
-call sets in a context variable is seen by the next on the same thread."""
+call sets in a context variable is seen by the next on the same thread; the runner's `after_call`
+(run on the thread, before it goes back to the idle list) ends what else a call leaves on its
+thread (user_code: its event loop and the thread's current-loop setting). `threading.local` state
+the user's code keeps (a client per thread) does stay with the thread, as in any pool."""
 
 from __future__ import annotations
 
 import contextvars
+import logging
 import queue
 import threading
 from collections.abc import Callable
+
+log = logging.getLogger(__name__)
 
 IDLE_S = 30.0  # an idle thread ends after this long without a call
 
@@ -39,14 +45,14 @@ class _Worker:
                 return
             hand_back = contextvars.Context().run(job)
             del job  # its arguments are not kept alive while the thread idles
+            self.pool._after(self)
             # Idle before the caller hears the outcome: a caller that calls again at once finds
             # this thread, not a new one.
             self.pool._idle_again(self)
             try:
                 hand_back()
-            except BaseException:
-                self.pool._retire(self)  # never left on the idle list to swallow the next call
-                raise
+            except Exception:  # the thread is sound, and may already hold the next call: it serves on
+                log.exception("handing a call's outcome back failed")
             del hand_back
 
 
@@ -55,9 +61,10 @@ class WorkerThreads:
     one and returns that thread (what a timed-out call's message reads its frames from). `job`
     returns what tells its caller the outcome, run once the thread is idle again."""
 
-    def __init__(self) -> None:
+    def __init__(self, after_call: Callable[[], None] | None = None) -> None:
         self._idle: list[_Worker] = []
         self._lock = threading.Lock()
+        self._after_call = after_call
 
     def submit(self, job: Callable[[], Callable[[], None]], name: str) -> threading.Thread:
         with self._lock:
@@ -80,6 +87,13 @@ class WorkerThreads:
             idle, self._idle = self._idle, []
         for worker in idle:
             worker.inbox.put(None)
+
+    def _after(self, worker: _Worker) -> None:
+        if self._after_call is not None:
+            try:
+                self._after_call()
+            except Exception:  # a cleanup that failed must not end the thread with a call queued
+                log.exception("cleaning up after a call on %s failed", worker.thread.name)
 
     def _idle_again(self, worker: _Worker) -> None:
         with self._lock:

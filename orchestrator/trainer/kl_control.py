@@ -10,10 +10,15 @@ advantage 0, every gradient 0, for ever (docs/trainer.md, "One step's size").
 
 What is measured costs nothing extra: the step's own forward already compares each sample's
 recorded logprobs (the version that sampled it) with the trainer's before the step. A sample
-`lag` versions old spans `lag` steps; its per-token KL estimate over `lag` is the figure of one
-step. Samples of the trainer's own version (lag 0: a synchronous loop) say nothing about a
-step, and a batch of only those leaves the rate as it was. Pure functions: the trainer applies
-the rate (it lives in the optimizer's state, so checkpoints and resumes carry it)."""
+`lag` versions old spans `lag` steps; the batch's youngest samples past lag 0 are used, their
+per-token KL estimate over their lag standing for one step. Steps in one direction add up
+faster than linearly, so with a youngest lag above 1 the figure errs high and the bound holds
+steps below the target (conservative); samples whose later tokens a newer version sampled (an
+activation during the rollout) count by their dispatched version, which errs low; the engine's
+and trainer's numerical mismatch counts as movement (keep the target well above an on-policy
+batch's `kl_k3`). Samples of the trainer's own version (lag 0: a synchronous loop) say nothing
+about a step, and a batch of only those leaves the rate as it was. Pure functions: the trainer
+applies the rate (it lives in the optimizer's state, so checkpoints and resumes carry it)."""
 
 from __future__ import annotations
 
@@ -29,11 +34,15 @@ MIN_SHARE = 1e-3
 
 
 def per_step_kl(lags: Sequence[int], log_ratio_means: Sequence[float]) -> float | None:
-    """The mean over samples older than the trainer (lag >= 1) of their per-token KL estimate
-    (-mean log ratio, k1) divided by their lag; None when no sample is older or none has a
-    figure (a rollout without completion tokens has NaN)."""
-    per_step = [-m / lag for lag, m in zip(lags, log_ratio_means) if lag >= 1 and math.isfinite(m)]
-    return sum(per_step) / len(per_step) if per_step else None
+    """The mean over the youngest samples older than the trainer (the smallest lag >= 1 with a
+    figure) of their per-token KL estimate (-mean log ratio, k1) divided by that lag; None when
+    no sample is older or none has a figure (a rollout without completion tokens has NaN)."""
+    known = [(lag, m) for lag, m in zip(lags, log_ratio_means) if lag >= 1 and math.isfinite(m)]
+    if not known:
+        return None
+    youngest = min(lag for lag, _ in known)
+    per_step = [-m / lag for lag, m in known if lag == youngest]
+    return sum(per_step) / len(per_step)
 
 
 def next_lr(lr: float, lr_max: float, kl: float | None, target: float) -> float:

@@ -16,9 +16,10 @@ from orchestrator.trainer.kl_control import GROW, MIN_SHARE, SHRINK_FLOOR, next_
 pytestmark = pytest.mark.timeout(120)
 
 
-def test_per_step_kl_divides_each_samples_figure_by_its_lag_and_ignores_the_trainers_own():
-    # lag 0 says nothing of a step; NaN (no completion tokens) has no figure.
-    assert per_step_kl([0, 1, 2, 1], [-5.0, -0.4, -0.8, float("nan")]) == pytest.approx(0.4)
+def test_per_step_kl_takes_the_youngest_samples_past_lag_0_over_their_lag():
+    # lag 0 says nothing of a step; NaN (no completion tokens) has no figure; lag 3 is not the youngest.
+    assert per_step_kl([0, 1, 3, 1], [-5.0, -0.4, -9.0, float("nan")]) == pytest.approx(0.4)
+    assert per_step_kl([3, 2, 2, 0], [-9.0, -0.6, -1.0, -5.0]) == pytest.approx(0.4)
     assert per_step_kl([0, 0], [-1.0, -2.0]) is None
     assert per_step_kl([1], [float("nan")]) is None
 

@@ -3,6 +3,7 @@ while a call still runs on them, each call in an empty context, idle ones ending
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import threading
 import time
@@ -11,7 +12,7 @@ import pytest
 
 from orchestrator.errors import UserCodeTimeout
 from orchestrator.tasks import worker_threads
-from orchestrator.tasks.user_code import UserCode
+from orchestrator.tasks.user_code import UserCode, call_in_thread
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -79,16 +80,72 @@ def test_idle_threads_end_after_idle_s_and_at_close(monkeypatch):
     assert not second.is_alive() and pool.idle() == 0
 
 
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # raised on purpose
-def test_a_thread_whose_hand_back_fails_leaves_the_idle_list_and_the_next_call_runs():
+def test_a_thread_whose_hand_back_fails_serves_on():
     pool, ran = worker_threads.WorkerThreads(), threading.Event()
 
     def broken():
         raise RuntimeError("the caller's loop went away")
 
     first = pool.submit(lambda: broken, name="its caller is gone")
-    first.join(10)
-    assert not first.is_alive() and pool.idle() == 0
-    pool.submit(lambda: ran.set, name="next")
+    deadline = time.monotonic() + 10
+    while pool.idle() < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert first.is_alive() and pool.idle() == 1
+    assert pool.submit(lambda: ran.set, name="next") is first
     assert ran.wait(10)
     pool.close()
+
+
+async def test_what_a_call_leaves_on_its_thread_ends_with_it():
+    # An async agent's background task, left pending when its call returns, must not run during
+    # (nor be named by the timeout of) a later call on the same thread.
+    runner, ran = UserCode(threads=1), []
+
+    def agent():
+        async def body():
+            async def background():
+                await asyncio.sleep(0.05)
+                ran.append("the last call's task ran on")
+
+            asyncio.get_running_loop().create_task(background())
+            return threading.get_ident()
+        return call_in_thread(body)
+
+    def later():
+        async def body():
+            await asyncio.sleep(0.2)
+            return threading.get_ident()
+        return call_in_thread(body)
+
+    def blocking():
+        time.sleep(1.0)
+
+    try:
+        first = await runner.call(agent, timeout_s=10, what="agent")
+        assert await runner.call(later, timeout_s=10, what="later") == first  # the same thread
+        assert ran == []
+        with pytest.raises(UserCodeTimeout) as expired:
+            await runner.call(blocking, timeout_s=0.3, what="blocking")
+        assert expired.value.where.endswith(" in blocking"), expired.value.where
+    finally:
+        runner.close()
+
+
+async def test_a_loop_a_call_set_and_closed_is_not_the_next_calls():
+    runner = UserCode(threads=1)
+
+    def score():  # a common sync wrapper in user libraries
+        try:
+            loop = asyncio.get_event_loop()
+        except RuntimeError:
+            loop = asyncio.new_event_loop()
+            asyncio.set_event_loop(loop)
+        try:
+            return loop.run_until_complete(asyncio.sleep(0, result=1))
+        finally:
+            loop.close()
+
+    try:
+        assert [await runner.call(score, timeout_s=10, what="score") for _ in range(3)] == [1, 1, 1]
+    finally:
+        runner.close()
