@@ -91,7 +91,14 @@ class TurnRenderer:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
 
     def encode(self, text: str) -> list[int]:
-        # add_special_tokens=False: the template's text already holds its special tokens.
+        """The token ids of text (add_special_tokens=False: the template's text already holds its
+        special tokens). A fast tokenizer's backend encodes directly when transformers would
+        hand it the text as it is (no truncation or padding set on it, special tokens not split):
+        half the cost of transformers' call, and encode_batch lets go of the GIL meanwhile."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if (backend is not None and backend.truncation is None and backend.padding is None
+                and not getattr(self.tokenizer, "split_special_tokens", False)):
+            return backend.encode_batch([text], add_special_tokens=False)[0].ids
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def first_prompt(self, messages: Sequence[dict]) -> list[int]:

@@ -66,8 +66,8 @@ async def engine(tiny_model_dir):
 
 
 def _config(world_size: int) -> RunConfig:
-    # kl_target: every rank paces the step from the whole batch (on-policy here: the rate stays).
-    return RunConfig(trainer=TrainerConfig(threads=1, world_size=world_size, bucket_bytes=BUCKET, kl_target=0.1),
+    # kl_target: on-policy batches keep the rate; step 5's, one version old, moves it (below 2e-6).
+    return RunConfig(trainer=TrainerConfig(threads=1, world_size=world_size, bucket_bytes=BUCKET, kl_target=1e-6),
                      transport=TransportConfig(keep_last=8)).validate()
 
 
@@ -210,6 +210,15 @@ async def test_three_fsdp_steps_under_torchrun_publish_into_a_live_engine_and_re
         await trainer.link.send(Batch(step=4, samples=samples))
         published = _check_step(await trainer.link.recv(300), ref.step(samples, 4), run_dir, 4)
         _assert_close_weights(published, ref.state())
+        # Step 5 on step 4's samples (one version old): kl_target moves the rate, and every rank
+        # paces the step from the whole batch as one process does (the same rate, the same weights).
+        await trainer.link.send(Batch(step=5, samples=samples))
+        done, expected = await trainer.link.recv(300), ref.step(samples, 5)
+        assert isinstance(done, StepDone), f"{done}\n{_tail(run_dir)}"
+        assert expected.metrics["lr"] < config.trainer.lr, expected.metrics
+        assert done.metrics["lr"] == pytest.approx(expected.metrics["lr"], rel=1e-6)
+        assert done.metrics["kl_per_step"] == pytest.approx(expected.metrics["kl_per_step"], rel=1e-3)
+        _assert_close_weights(_published(run_dir, 5), ref.state())
         # Rank 0 sees it gone on its next idle poll and tells rank 1; both exit 1, the agent with
         # them: no rank is left behind.
         ranks = [pid for pid in descendants(trainer.process.pid) if "-m orchestrator.trainer.process" in _cmdline(pid)]

@@ -87,3 +87,18 @@ def test_a_tokenizer_without_a_template_is_refused(tokenizer):
     bare.chat_template = None
     with pytest.raises(TemplateError, match="no chat template"):
         TurnRenderer(bare)
+
+
+def test_encode_is_transformers_own_and_leaves_a_truncating_tokenizer_to_it(tokenizer):
+    import copy
+
+    r = TurnRenderer(tokenizer)
+    texts = ["", "hello", "<|im_start|>user\n2 + 2?<|im_end|>\n<|im_start|>assistant\n",
+             "  spaces\tand\nlines  ", "ünïcödé 数字 12 34", "<|im_end|><|im_end|>x"]
+    for text in texts:  # the backend's own encoding, the same ids transformers gives
+        assert r.encode(text) == list(tokenizer(text, add_special_tokens=False)["input_ids"]), text
+    cut = copy.deepcopy(tokenizer)
+    cut.backend_tokenizer.enable_truncation(max_length=3)  # left set by some earlier call of its owner
+    long = "1 2 3 4 5 6 7 8"
+    assert cut.backend_tokenizer.encode(long, add_special_tokens=False).ids != r.encode(long)
+    assert TurnRenderer(cut).encode(long) == r.encode(long)  # transformers' call, not the truncating backend
