@@ -147,7 +147,8 @@ def train_step_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     parts: list = [None] * ranks.world
     dist.all_gather_object(parts, (acc.loss_sum, merge_stats(acc.stats), acc.log_ratio_mean.tolist(),
                                    acc.log_ratio_max_abs.tolist()))
-    paced = _pace(optimizer, config, samples, step, [v for p in parts for v in p[2]])
+    log_ratio_mean = [v for p in parts for v in p[2]]
+    paced = _pace(optimizer, config, samples, step, log_ratio_mean)
     grad_norm = _clip_and_step(model, optimizer, config)
 
     metrics = {**merge_stats([p[1] for p in parts]), "grad_norm": grad_norm, "samples": float(len(samples)),
@@ -156,7 +157,7 @@ def train_step_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     return StepResult(loss=sum(p[0] for p in parts) / max(data.tokens, 1), reward_mean=float(data.rewards.mean()),
                       metrics=metrics, rollout_ids=[s.rollout_id for s in samples],
                       advantages=data.advantages.tolist(),
-                      log_ratio_mean=[v for p in parts for v in p[2]],
+                      log_ratio_mean=log_ratio_mean,
                       log_ratio_max_abs=[v for p in parts for v in p[3]])
 
 
@@ -225,7 +226,7 @@ def _pace(optimizer: torch.optim.Optimizer, config: TrainerConfig, samples: Sequ
     step's metrics. Nothing without a target or a step number (no lags)."""
     if config.kl_target is None or step is None:
         return {}
-    kl = per_step_kl([(step - 1) - s.dispatched_version for s in samples], log_ratio_mean)
+    kl = per_step_kl(_lags(samples, step), log_ratio_mean)
     lr = next_lr(optimizer.param_groups[0]["lr"], config.lr, kl, config.kl_target)
     for group in optimizer.param_groups:
         group["lr"] = lr
@@ -272,11 +273,16 @@ def _sampled_mask(sample: Sample, n: int) -> np.ndarray | None:
     return mask
 
 
+def _lags(samples: Sequence[Sample], step: int) -> list[int]:
+    """Each sample's staleness for step s: the steps since its dispatched version, (s - 1) - it."""
+    return [(step - 1) - s.dispatched_version for s in samples]
+
+
 def _staleness(samples: Sequence[Sample], step: int | None) -> dict[str, float]:
     """Staleness of a sample consumed by step s: (s - 1) - its dispatched version."""
     if step is None:
         return {}
-    lags = [(step - 1) - s.dispatched_version for s in samples]
+    lags = _lags(samples, step)
     return {"staleness_mean": float(np.mean(lags)), "staleness_max": float(max(lags))}
 
 
