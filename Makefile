@@ -69,12 +69,14 @@ vf04-build:
 
 verifiers-venv: $(VF04_STAMP)
 
-# verifiers 0.4's venv (a minute or more from the package index) builds beside the suite, its log in
-# .venv-verifiers.build.log; the tests that need it wait for it, or build it themselves (and fail,
-# naming why) if that build failed. The suite's exit status is make's.
-test: $(JAX_STAMP)
+# verifiers 0.4's venv (a minute or more from the package index) builds beside the run's venv and
+# then the suite, its log in .venv-verifiers.build.log; the tests that need it wait for it, or build
+# it themselves (and fail, naming why) if that build failed. It starts first because on a fresh
+# clone it then overlaps the run's venv install rather than the first tests (the suite's order:
+# tests/conftest.py). The exit status is the install's or the suite's.
+test:
 	@$(MAKE) --no-print-directory verifiers-venv > .venv-verifiers.build.log 2>&1 & \
-	$(PY) -m pytest; status=$$?; wait; exit $$status
+	$(MAKE) --no-print-directory $(JAX_STAMP) && $(PY) -m pytest; status=$$?; wait; exit $$status
 
 bench: $(STAMP)
 	$(VENV)/bin/inflight bench replay

@@ -24,6 +24,27 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+# The suite's order: the unit tests first, the multi-host scenario last. `make test` builds verifiers
+# 0.4's venv beside the suite (the Makefile), and on a fresh clone that build (a pip install, a
+# minute or two of both cores) ran beside the first tests: the cluster scenario, five hosts' engines
+# on two cores, took 479 s there against ~300 s alone (CI, 2026-12-05). The unit tests (~390 s)
+# lose only their share of the CPU to it. Within a directory the order is pytest's.
+_ORDER = ("unit", "integration", "reliability", "cluster")
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    tests = Path(__file__).resolve().parent
+
+    def rank(item) -> int:
+        try:
+            top = Path(str(item.fspath)).resolve().relative_to(tests).parts[0]
+        except ValueError:
+            return len(_ORDER)
+        return _ORDER.index(top) if top in _ORDER else len(_ORDER) - 1
+
+    items.sort(key=rank)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     from orchestrator.model import build_model

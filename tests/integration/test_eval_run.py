@@ -23,13 +23,46 @@ pytestmark = [pytest.mark.engine, pytest.mark.slow]
 STEPS = 8
 
 
+# The eval's reward holds its sample's slot until a version past the base model is live, so the
+# evaluation due at v0 spans an activation on any machine (before, it raced the first step: on a fast
+# CI host it ended 1.1 s before v1 went live). Its next samples are sent only as these free their
+# slots, so they sample a later version. A real log read while the run writes it, no fake.
+EVAL_REWARD = """
+import time
+
+from replay.log import read_records
+from replay.records import ActivationRecord
+
+RUN_DIR = {run_dir!r}
+
+
+def once_a_version_is_live(completion, **row):
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        try:
+            if any(isinstance(r, ActivationRecord) and r.outcome == "activated"
+                   for r in read_records(RUN_DIR, lenient=True)):
+                return float(any(c.isdigit() for c in completion))
+        except (OSError, ValueError):  # the log's first segment not written yet
+            pass
+        time.sleep(0.2)
+    raise TimeoutError("no version went live within 240 s")
+"""
+
+
 @pytest.mark.timeout(900)
 def test_evaluations_run_beside_activations_and_name_their_versions(tmp_path, rl_model, run_server):
+    run_dir, log = tmp_path / "run", tmp_path / "out.log"
+    (tmp_path / "eval_waits.py").write_text(EVAL_REWARD.format(run_dir=str(run_dir)))
+    (tmp_path / "held_out.jsonl").write_text("".join(
+        '{"prompt": "Write the digits of %d.", "answer": "%d"}\n' % (n, n) for n in (7, 42, 365, 2026)))
     config = tmp_path / "run.toml"
     config.write_text(f"""
 [engine]
 model = "{rl_model}"
 {attach_to(run_server)}
+[task]
+score_timeout_s = 300   # the eval's reward waits for the first activation
 [run]
 progress = "plain"
 tensorboard = false
@@ -37,9 +70,12 @@ tensorboard = false
 enabled = false
 [eval]
 every_steps = 1
-max_prompts = 8   # 32 samples, eval.max_inflight 16 at a time, queued behind 256 training rollouts
+dataset = "{tmp_path / 'held_out.jsonl'}"
+rewards = [{{ fn = "eval_waits:once_a_version_is_live" }}]
+max_prompts = 4
+samples_per_prompt = 4   # 16 samples, 8 at a time, beside 256 training rollouts
+max_inflight = 8
 """)
-    run_dir, log = tmp_path / "run", tmp_path / "out.log"
     proc = start([str(config), "--run-dir", str(run_dir), "--max-steps", str(STEPS)], log)
     try:
         finish(proc, log, timeout=800)
@@ -48,8 +84,7 @@ max_prompts = 8   # 32 samples, eval.max_inflight 16 at a time, queued behind 25
     records = check_log_invariants(run_dir, STEPS)
     evals = [r for r in records if isinstance(r, EvalRecord)]
     activations = [a for a in records if isinstance(a, ActivationRecord) and a.outcome == "activated"]
-    # Measured: the first (v0, at_start) takes about 28 s beside training, the run's 8 steps about as
-    # long; later ones may be cut by the stop (an unfinished evaluation writes no record).
+    # Later evaluations may be cut by the stop (an unfinished evaluation writes no record).
     assert evals and evals[0].due_version == 0, [(e.due_version, e.versions) for e in evals]
 
     for e in evals:
@@ -87,3 +122,4 @@ max_prompts = 8   # 32 samples, eval.max_inflight 16 at a time, queued behind 25
     offline = json.loads(out.stdout.strip().splitlines()[-1])
     assert offline["version"] == STEPS and offline["versions"] == [STEPS] and offline["mixed"] == 0
     assert offline["k"] == 2 and offline["prompts"] == 4
+    assert offline["task"] == "held_out"
