@@ -66,6 +66,15 @@ def verifiers04_python() -> Path:
 
 
 @pytest.fixture(scope="session")
+def checkout_rl_model() -> Path:
+    """The checkout's own models/tiny-rl, as `make run` builds it, for the tests that name the
+    default's path: built here when missing (a fresh clone's suite has none until then)."""
+    from orchestrator.model import ensure_model
+
+    return ensure_model(Path(__file__).resolve().parents[1] / "models" / "tiny-rl", preset="tiny-rl")
+
+
+@pytest.fixture(scope="session")
 def rl_model(tmp_path_factory) -> Path:
     """The tiny-rl preset (what `inflight run` trains by default), built once per session: every
     `inflight run` test only reads it (a run never writes into its model directory)."""

@@ -27,7 +27,8 @@ from replay.log import read_records
 from replay.records import ConsumptionRecord, RolloutRecord
 from tests.helpers import attach_to
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(900),
+              pytest.mark.usefixtures("checkout_rl_model")]  # ROOT/models/tiny-rl
 INFLIGHT = [sys.executable, "-m", "orchestrator.commands.cli"]
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "multi-turn.toml"

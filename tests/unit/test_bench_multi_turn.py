@@ -5,16 +5,15 @@ what it was asked to."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from orchestrator.bench.multi_turn import TURNS, multi_turn_overhead
 from orchestrator.bench.orchestrator import BenchRun, orchestrator_rate
 
-MODEL = Path(__file__).resolve().parents[2] / "models" / "tiny-rl"
+# The tiny-rl tokenizer, built for the session (`rl_model`, tests/conftest.py): never the
+# checkout's models/tiny-rl, which only `make run` builds (a fresh clone's suite has none).
 
 
-async def test_the_multi_turn_row_measures_episodes_on_and_off_the_loop():
-    result = await multi_turn_overhead(BenchRun, orchestrator_rate, str(MODEL), concurrency=16, episodes=64,
+async def test_the_multi_turn_row_measures_episodes_on_and_off_the_loop(rl_model):
+    result = await multi_turn_overhead(BenchRun, orchestrator_rate, str(rl_model), concurrency=16, episodes=64,
                                       paced_episodes=32)
     assert result["multi_turn_episodes"]["rollouts"] == 64
     assert result["multi_turn_episodes_on_loop"]["rollouts"] == 64
@@ -31,7 +30,7 @@ async def test_the_multi_turn_row_measures_episodes_on_and_off_the_loop():
     assert shown == result["multi_turn_overhead_ratio"]
 
 
-async def test_the_turns_reply_text_is_decoded_where_the_environments_step_runs_not_on_the_runs_loop():
+async def test_the_turns_reply_text_is_decoded_where_the_environments_step_runs_not_on_the_runs_loop(rl_model):
     """The assistant message of a turn is in the episode's messages when `step` sees it, and its text
     was decoded on the thread the step runs on (a plain step: its worker thread), not the loop's."""
     import threading
@@ -43,7 +42,7 @@ async def test_the_turns_reply_text_is_decoded_where_the_environments_step_runs_
     from orchestrator.tasks.user_code import UserCode
     from transformers import AutoTokenizer
 
-    renderer = TurnRenderer(AutoTokenizer.from_pretrained(str(MODEL)))
+    renderer = TurnRenderer(AutoTokenizer.from_pretrained(str(rl_model)))
     ids = renderer.encode("Write 4 digits: 1234")
     decoded_on: list[str] = []
     original = renderer.decode

@@ -129,7 +129,7 @@ def test_a_model_directory_refused_during_set_up_exits_2_with_one_line(tmp_path)
     assert "engine.starting" not in events(tmp_path / "run")
 
 
-def test_a_chat_template_that_raises_exits_2_with_the_field_and_its_message_before_engines_start(tmp_path):
+def test_a_chat_template_that_raises_exits_2_with_the_field_and_its_message_before_engines_start(tmp_path, checkout_rl_model):
     """The template is checked where the task is built, before any engine or trainer starts: its
     own message on one line, never a jinja2 traceback."""
     template = write(tmp_path / "strict.jinja", "{{ raise_exception('no ' + messages[0]['role'] + ' turns here') }}")
@@ -336,7 +336,7 @@ async def test_a_successful_activation_clears_the_degraded_report(tmp_path):
     assert any(degraded) and not degraded[-1]
 
 
-def test_a_task_factory_that_never_returns_exits_2_naming_it_within_build_timeout_s(tmp_path):
+def test_a_task_factory_that_never_returns_exits_2_naming_it_within_build_timeout_s(tmp_path, checkout_rl_model):
     """A factory (or dataset scan) that blocks: the run stops at task.build_timeout_s, naming what
     builds the task, before engines start; its thread is a daemon, so the process exits."""
     write(tmp_path / "slow_task.py", "import time\n\ndef make():\n    time.sleep(3600)\n")

@@ -12,6 +12,8 @@ from orchestrator.config.run import EvalConfig, TaskConfig
 from orchestrator.errors import ConfigError
 from orchestrator.tasks import make_task
 
+# models/tiny-rl of the checkout, built when missing (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("checkout_rl_model")
 MODEL = str(Path(__file__).resolve().parents[2] / "models" / "tiny-rl")
 DIALOGUE = "orchestrator.tasks.toy_env:digits_dialogue"
 

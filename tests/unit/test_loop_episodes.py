@@ -15,6 +15,8 @@ from orchestrator.errors import EngineDeadError
 from orchestrator.fleet.fleet import Fleet
 from tests.unit.test_loop_faults import check, drive
 
+# models/tiny-rl of the checkout, built when missing (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("checkout_rl_model")
 MODEL = "models/tiny-rl"
 
 
