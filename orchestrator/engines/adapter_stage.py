@@ -28,7 +28,9 @@ async def stage_adapter(engine, adapter: AdapterRef, timeout_s: float) -> float:
     """Stages `adapter` on every worker of `engine`; returns the longest worker's staging
     seconds. A worker that cannot build it raises EngineGenerateError naming the adapter and
     vLLM's reason (nothing of it is held then); EngineTimeoutError past `timeout_s`."""
-    request = json.dumps({"name": adapter.name, "int_id": adapter.int_id, "path": adapter.path})
+    # "slots": what the engine serves; a CPU worker holding more keeps its last slot empty.
+    request = json.dumps({"name": adapter.name, "int_id": adapter.int_id, "path": adapter.path,
+                          "slots": engine.config.max_loras})
     which = json.dumps({"path": adapter.path})
     try:
         with anyio.fail_after(timeout_s):

@@ -34,6 +34,17 @@ class VersionSpan(msgspec.Struct, frozen=True, array_like=True):
     end: int
 
 
+#: Slots a LoRA engine we start gets past its `max_loras`: vLLM's CPU LoRA kernels read the last
+#: slot for every token of a request without an adapter that shares a batch with one that has one
+#: (index -1 into the stacked weights), so that slot is kept empty (`transports.lora_stage`).
+SPARE_LORA_SLOTS = 1
+
+
+def vllm_max_loras(max_loras: int) -> int:
+    """vLLM's `max_loras` (and `max_cpu_loras`) for an engine that serves `max_loras` adapters."""
+    return max_loras + SPARE_LORA_SLOTS
+
+
 class AdapterRef(msgspec.Struct, frozen=True):
     """A LoRA adapter as an engine serves it: a name unique to one set of weights (vLLM keys
     its prefix cache by it), an integer id (the in-process engine's), and its PEFT directory."""

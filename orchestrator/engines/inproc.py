@@ -23,6 +23,7 @@ from orchestrator.engines.base import (
     TokenChunk,
     VersionSpan,
     parse_version,
+    vllm_max_loras,
 )
 from orchestrator.errors import (
     ConfigError,
@@ -124,8 +125,10 @@ class InProcessEngine(Engine):
         if self.config.enable_lora:
             # max_cpu_loras = max_loras: the fleet unloads what no request uses, so vLLM's own
             # cache never evicts (and later reloads from disk) an adapter a request still names.
-            kwargs.update(enable_lora=True, max_lora_rank=self.config.max_lora_rank,
-                          max_loras=self.config.max_loras, max_cpu_loras=self.config.max_loras)
+            # One slot more than it serves: kept empty on a CPU engine (base.SPARE_LORA_SLOTS).
+            slots = vllm_max_loras(self.config.max_loras)
+            kwargs.update(enable_lora=True, max_lora_rank=self.config.max_lora_rank, max_loras=slots,
+                          max_cpu_loras=slots)
         if self.config.worker_extension_cls:
             kwargs["worker_extension_cls"] = self.config.worker_extension_cls
         if self.config.weight_transfer_backend:

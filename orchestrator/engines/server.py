@@ -45,6 +45,7 @@ from orchestrator.engines.base import (
     TokenChunk,
     VersionSpan,
     parse_version,
+    vllm_max_loras,
 )
 from orchestrator.engines.adapter_stage import stage_adapter, unstage_adapter
 from orchestrator.engines.process_group import terminate_process_group
@@ -107,8 +108,9 @@ def server_command(config: EngineConfig, port: int, host: str = "127.0.0.1") -> 
     if config.weight_transfer_backend:
         cmd += ["--weight-transfer-config", json.dumps({"backend": config.weight_transfer_backend})]
     if config.enable_lora:
-        cmd += ["--enable-lora", "--max-lora-rank", str(config.max_lora_rank), "--max-loras", str(config.max_loras),
-                "--max-cpu-loras", str(config.max_loras)]
+        slots = str(vllm_max_loras(config.max_loras))  # one kept empty on a CPU engine (base.SPARE_LORA_SLOTS)
+        cmd += ["--enable-lora", "--max-lora-rank", str(config.max_lora_rank), "--max-loras", slots,
+                "--max-cpu-loras", slots]
     return cmd
 
 

@@ -262,6 +262,8 @@ async def test_the_adapter_is_read_and_built_before_the_step_that_makes_it_live(
     path = make_adapter(tiny_model_dir, root, 60, seed=60)
     assert await stage_adapter(engine, store.ref(60), 60.0) > 0.0
     assert await engine.loaded_adapters() == [], "staged is not loaded: vLLM holds nothing yet"
+    # ... but its tensors are in a slot already, reserved from vLLM's own activations
+    assert await slots(engine) == ["reserved", None, None, "kept_empty"]
     hidden = path.with_name(path.name + ".hidden")
     path.rename(hidden)
     try:
@@ -275,15 +277,17 @@ async def test_the_adapter_is_read_and_built_before_the_step_that_makes_it_live(
     for c in completions:
         assert c.status == "completed" and c.changes == [(0, 60)], c.message
         check_against_reference(tiny_model_dir, root, c, 60)  # the staged tensors are the adapter's
-    events = [e for e in (await engine.collective_rpc("lora_stage_events"))[0] if e["path"] == str(path)]
-    assert [e["event"] for e in events] == ["staged", "taken"], events
+    events = await stage_events(engine, path)
+    # The step that made it live took the slot the staging filled: no copy in the step.
+    assert [e["event"] for e in events] == ["staged", "taken", "live_from_slot"], events
+    assert events[0]["slot"] == events[2]["slot"] == 0
+    assert await slots(engine) == [store.ref(60).int_id, None, None, "kept_empty"]
 
     # The worker's record can tell the other way: without a stage, add_lora reads the files itself.
     other = make_adapter(tiny_model_dir, root, 61, seed=61)
     ref = store.ref(61)
     await engine.llm.add_lora(LoRARequest(ref.name, ref.int_id, ref.path))
-    events = [e["event"] for e in (await engine.collective_rpc("lora_stage_events"))[0] if e["path"] == str(other)]
-    assert events == ["loaded_in_step"]
+    assert [e["event"] for e in await stage_events(engine, other)] == ["loaded_in_step"]
     await engine.unload_adapter(ref)
 
     # A stage that cannot read its adapter refuses the load, naming it, and nothing is held.
@@ -293,3 +297,96 @@ async def test_the_adapter_is_read_and_built_before_the_step_that_makes_it_live(
     assert "inflight-v62" in str(err.value)
     assert await engine.loaded_adapters() == [adapter_name(60)]
     await engine.unload_adapter(store.ref(60))
+
+
+async def slots(engine) -> list:
+    return (await engine.collective_rpc("lora_slots"))[0]
+
+
+async def stage_events(engine, path) -> list[dict]:
+    return [e for e in (await engine.collective_rpc("lora_stage_events"))[0] if e["path"] == str(path)]
+
+
+async def test_stages_holding_every_slot_give_them_back_to_a_load_vllm_makes_itself(engine, tiny_model_dir, root):
+    """Three stages fill the engine's three slots off the step. vLLM's own load of another adapter
+    (no stage) then finds none free: the stages give theirs back (never while one copies into it),
+    that load takes a slot, and a staged adapter made live after it is copied in its step instead
+    of taken from a slot. Every token is still its adapter's; an unstage frees nothing twice."""
+    from vllm.lora.request import LoRARequest
+
+    from orchestrator.engines.adapter_stage import stage_adapter, unstage_adapter
+
+    await unload_all(engine, root)
+    store = AdapterStore(root, MAX_LORAS)
+    paths = {v: make_adapter(tiny_model_dir, root, v, seed=v) for v in (70, 71, 72, 73)}
+    for v in (70, 71, 72):
+        await stage_adapter(engine, store.ref(v), 60.0)
+    assert await slots(engine) == ["reserved"] * MAX_LORAS + ["kept_empty"]
+    filled = [e["slot"] for v in (70, 71, 72) for e in (await stage_events(engine, paths[v]))]  # one "staged" each
+    assert sorted(filled) == [0, 1, 2], filled
+
+    ref = store.ref(73)
+    await engine.llm.add_lora(LoRARequest(ref.name, ref.int_id, ref.path))  # vLLM's own load, no stage
+    assert await slots(engine) == [ref.int_id, None, None, "kept_empty"]
+    await engine.load_adapter(store.ref(70))  # staged, its slot given back: copied in the step
+    assert [e["event"] for e in await stage_events(engine, paths[70])] == ["staged", "taken"]
+    assert await slots(engine) == [ref.int_id, store.ref(70).int_id, None, "kept_empty"]
+    for v in (71, 72):
+        await unstage_adapter(engine, store.ref(v), 60.0)
+    assert await slots(engine) == [ref.int_id, store.ref(70).int_id, None, "kept_empty"]
+
+    for version in (70, 73):
+        fleet = fleet_of([engine], root, live=version)
+        fleet.resident[engine.engine_id] = {version: store.ref(version)}
+        for prompt in PROMPTS:
+            c = await fleet.generate(prompt, SAMPLING)
+            assert c.status == "completed" and c.changes == [(0, version)], c.message
+            check_against_reference(tiny_model_dir, root, c, version)
+    # A stage now finds the last slot free and fills it; its load then copies nothing.
+    await stage_adapter(engine, store.ref(72), 60.0)
+    assert await slots(engine) == [ref.int_id, store.ref(70).int_id, "reserved", "kept_empty"]
+    await engine.load_adapter(store.ref(72))
+    assert [e["event"] for e in await stage_events(engine, paths[72])][-2:] == ["taken", "live_from_slot"]
+    fleet = fleet_of([engine], root, live=72)
+    fleet.resident[engine.engine_id] = {72: store.ref(72)}
+    c = await fleet.generate(PROMPTS[0], SAMPLING)
+    check_against_reference(tiny_model_dir, root, c, 72)
+    for v in (70, 72, 73):
+        await engine.unload_adapter(store.ref(v))
+    assert await slots(engine) == [None] * MAX_LORAS + ["kept_empty"]
+
+
+async def test_a_request_without_an_adapter_beside_one_with_an_adapter_samples_the_base_with_every_slot_full(
+        engine, tiny_model_dir, root):
+    """vLLM's CPU LoRA kernels read the last slot for the tokens of a request without an adapter in a
+    batch beside one with an adapter (index -1 into the stacked weights): with that slot filled, its
+    logprobs were the filling adapter's, 3.7 nats off the base's (measured 2026-12-05 on vLLM 0.32).
+    The engine has a slot past `max_loras`, kept empty: with every slot it serves full, a request
+    of version 0 beside requests under adapters still samples the base."""
+    from orchestrator.engines.adapter_stage import stage_adapter
+
+    await unload_all(engine, root)
+    store = AdapterStore(root, MAX_LORAS)
+    for v in (80, 81, 82):
+        make_adapter(tiny_model_dir, root, v, seed=v)
+        await stage_adapter(engine, store.ref(v), 60.0)  # what the fleet does first: the spare is kept
+        await engine.load_adapter(store.ref(v))
+    assert await slots(engine) == [store.ref(v).int_id for v in (80, 81, 82)] + ["kept_empty"]
+    base = fleet_of([engine], root, live=0)
+    adapted = fleet_of([engine], root, live=82)
+    adapted.resident[engine.engine_id] = {82: store.ref(82)}
+    long = SamplingSettings(temperature=1.0, max_tokens=24, ignore_eos=True, seed=3)
+    async with anyio.create_task_group() as tg:
+        out: dict = {}
+
+        async def one(name, fleet, prompt):
+            out[name] = await fleet.generate(prompt, long)
+
+        tg.start_soon(one, "base", base, PROMPTS[2])
+        for i, prompt in enumerate(PROMPTS):
+            tg.start_soon(one, f"adapted-{i}", adapted, prompt)
+    check_against_reference(tiny_model_dir, root, out["base"], 0)
+    for i in range(len(PROMPTS)):
+        check_against_reference(tiny_model_dir, root, out[f"adapted-{i}"], 82)
+    for v in (80, 81, 82):
+        await engine.unload_adapter(store.ref(v))
