@@ -176,14 +176,18 @@ class LoraStagingExtension:
         filled = s["filled"].pop(lora_id, None)
         if filled is not None:
             self._lora_release(filled[0])
-        if lora_id in slots._active_adapters or None in slots.lora_index_to_id:
-            return
-        if len(slots._active_adapters) < slots.lora_slots:
-            with s["lock"]:
-                entries = list(s["entries"].values())
-            for entry in entries + [f[0] for f in s["filled"].values()]:
-                self._lora_release(entry)
-            s["filled"].clear()
+        active = slots._active_adapters
+        if lora_id in active or None in slots.lora_index_to_id or len(active) >= slots.lora_slots:
+            return  # a free slot, or vLLM's LRU evicts the oldest itself
+        with s["lock"]:
+            entries = list(s["entries"].values())
+        for entry in entries + [f[0] for f in s["filled"].values()]:
+            self._lora_release(entry)
+        s["filled"].clear()
+        if None not in slots.lora_index_to_id and active:
+            # Every slot but the kept-empty one active: the LRU manager's own rule at the capacity
+            # the engine serves (vLLM counts the spare slot and would find none free).
+            active.remove_oldest()
 
     def _lora_live_from_slot(self, slots, lora_id: int) -> bool:
         """vLLM's activation of `lora_id` without its copy, when the staging filled its slot."""

@@ -388,5 +388,13 @@ async def test_a_request_without_an_adapter_beside_one_with_an_adapter_samples_t
     check_against_reference(tiny_model_dir, root, out["base"], 0)
     for i in range(len(PROMPTS)):
         check_against_reference(tiny_model_dir, root, out[f"adapted-{i}"], 82)
-    for v in (80, 81, 82):
+    # vLLM's own load of a fourth (no stage, past what the engine serves): its LRU rule at the
+    # served capacity takes the oldest's slot, never the spare.
+    from vllm.lora.request import LoRARequest
+
+    make_adapter(tiny_model_dir, root, 83, seed=83)
+    ref = store.ref(83)
+    await engine.llm.add_lora(LoRARequest(ref.name, ref.int_id, ref.path))
+    assert await slots(engine) == [ref.int_id] + [store.ref(v).int_id for v in (81, 82)] + ["kept_empty"]
+    for v in (80, 81, 82, 83):
         await engine.unload_adapter(store.ref(v))
