@@ -203,11 +203,11 @@ class LoraStagingExtension:
                       and slots._registered_adapters.get(lora_id) is model)
             if not usable:
                 return False
+            active = slots._active_adapters
+            if len(active) >= slots.lora_slots:  # the LRU manager's own rule (may raise: the
+                active.remove_oldest()            # reservation then stays the entry's, given back)
             entry["slot"] = None
             del s["filled"][lora_id]
-            active = slots._active_adapters
-            if len(active) >= slots.lora_slots:  # the LRU manager's own rule
-                active.remove_oldest()
             active[lora_id] = None
             slots.lora_index_to_id[reserved[1]] = lora_id
             if hasattr(active, "touch"):
@@ -222,13 +222,15 @@ class LoraStagingExtension:
         s = self._lora_staging()
         path = str(request["path"])
         self._lora_keep_spare(manager, request.get("slots"))
-        evicted = []
         with s["lock"]:
             entry = s["entries"].get(path)
             if entry is not None and entry["state"] in ("staging", "staged"):
                 return _snapshot(entry)
-            if entry is not None:
-                evicted.append(entry)
+            failed = s["entries"].pop(path, None)
+        if failed is not None:  # its slot back first: this stage may take it
+            self._lora_release(failed)
+        evicted = []
+        with s["lock"]:
             entry = {"state": "staging", "error": None, "seconds": 0.0, "model": None,
                      "slot": self._lora_reserve_slot(manager), "slot_lock": threading.Lock()}
             s["entries"][path] = entry
@@ -312,8 +314,20 @@ class LoraStagingExtension:
                     module.reset_lora(index)
                 else:
                     module.set_lora(index, weights.lora_a, weights.lora_b)
+            _copies_done(slots)
             entry["filled"] = True
             return index
+
+
+def _copies_done(slots) -> None:
+    """vLLM's set_lora copies with non_blocking=True: on a GPU this thread's stream is not the one
+    the forward passes use, so the copies are waited for before the slot is called filled (written,
+    not yet run: no GPU here; on a CPU the copies are done when they return)."""
+    import torch
+
+    device = next((t.device for m in slots.modules.values() for t in getattr(m, "lora_a_stacked", ())), None)
+    if device is not None and device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
 
 
 def _snapshot(entry: dict) -> dict:
