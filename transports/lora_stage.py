@@ -126,7 +126,7 @@ class LoraStagingExtension:
         if model.id != lora_request.lora_int_id:
             model = model.clone(lora_request.lora_int_id)  # shares the tensors
         with entry["slot_lock"]:
-            if entry["slot"] is not None and entry.get("filled"):  # the activation that follows takes the slot
+            if entry["slot"] is not None and entry["filled"]:  # the activation that follows takes the slot
                 s["filled"][lora_request.lora_int_id] = (entry, model, lora_request.lora_path)
         self._lora_note("taken", lora_request.lora_path)
         return model
@@ -198,8 +198,7 @@ class LoraStagingExtension:
         entry, model, path = filled
         with entry["slot_lock"]:
             reserved = entry["slot"]
-            usable = (reserved is not None and reserved[0] is slots.lora_index_to_id
-                      and reserved[0][reserved[1]] == RESERVED and lora_id not in slots._active_adapters
+            usable = (_still_reserved(reserved, slots) and lora_id not in slots._active_adapters
                       and slots._registered_adapters.get(lora_id) is model)
             if not usable:
                 return False
@@ -232,7 +231,7 @@ class LoraStagingExtension:
         evicted = []
         with s["lock"]:
             entry = {"state": "staging", "error": None, "seconds": 0.0, "model": None,
-                     "slot": self._lora_reserve_slot(manager), "slot_lock": threading.Lock()}
+                     "slot": self._lora_reserve_slot(manager), "slot_lock": threading.Lock(), "filled": False}
             s["entries"][path] = entry
             while len(s["entries"]) > MAX_STAGED:
                 evicted.append(s["entries"].popitem(last=False)[1])
@@ -250,11 +249,12 @@ class LoraStagingExtension:
             entry = s["entries"].get(path)
             if entry is None:
                 return {"state": "absent", "error": None, "seconds": 0.0}
-            if entry["state"] == "failed":
+            snapshot, failed = _snapshot(entry), entry["state"] == "failed"
+            if failed:
                 del s["entries"][path]
-        if entry["state"] == "failed":
+        if failed:
             self._lora_release(entry)
-        return _snapshot(entry)
+        return snapshot
 
     def lora_unstage(self, req: str) -> dict:
         path = str(_parse(req)["path"])
@@ -269,7 +269,8 @@ class LoraStagingExtension:
         return list(self._lora_staging()["events"])
 
     def lora_slots(self) -> list:
-        """vLLM's slots, in order: the int id of the adapter in each, "reserved" (a stage's), None."""
+        """vLLM's slots, in order: the int id of the adapter in each, "reserved" (a stage's),
+        "kept_empty" (a CPU worker's spare), None (free)."""
         ids = self._lora_manager()._adapter_manager.lora_index_to_id
         return [{RESERVED: "reserved", KEPT_EMPTY: "kept_empty"}.get(held, held) if held is not None else None
                 for held in ids]
@@ -298,14 +299,13 @@ class LoraStagingExtension:
                              seconds=time.perf_counter() - started)
             self._lora_note("failed", path)
 
-
     @staticmethod
     def _lora_fill_slot(slots, model, entry: dict) -> int | None:
         """vLLM's `activate_adapter` copy of `model` into the entry's reserved slot, here on the
         staging thread (the slot's index, or None when it has none or it was given back)."""
         with entry["slot_lock"]:
             reserved = entry["slot"]
-            if reserved is None or reserved[0] is not slots.lora_index_to_id or reserved[0][reserved[1]] != RESERVED:
+            if not _still_reserved(reserved, slots):
                 return None
             index = reserved[1]
             for module_name, module in slots.modules.items():
@@ -317,6 +317,12 @@ class LoraStagingExtension:
             _copies_done(slots)
             entry["filled"] = True
             return index
+
+
+def _still_reserved(reserved: tuple[list, int] | None, slots) -> bool:
+    """The reservation (slot list, index) still holds its marker in the manager's current list
+    (vLLM's `remove_all_adapters` replaces the list)."""
+    return reserved is not None and reserved[0] is slots.lora_index_to_id and reserved[0][reserved[1]] == RESERVED
 
 
 def _copies_done(slots) -> None:
