@@ -93,7 +93,9 @@ class UserCode:
         self._home = loop
         call = _Call(self, what)
         if is_async(fn):
-            return await self._timed(call, timeout_s, self._run_async(fn, args, call, here))
+            if not here:  # to the user-code loop, bounded by a timer of the hop's own
+                return await self._on_user_loop(lambda: fn(*args), call, timeout_s)
+            return await self._timed(call, timeout_s, self._run_here(fn, args, call))
         async with self._limiter(loop):  # the wait for a thread is not the call's time
             return await self._timed(call, timeout_s, self._run_in_thread(fn, args, call))
 
@@ -118,9 +120,7 @@ class UserCode:
             return await running
         raise UserCodeTimeout(call.named(), timeout_s, where=where_is(call.thread))
 
-    async def _run_async(self, fn, args, call: _Call, here: bool):
-        if not here:
-            return await self._on_user_loop(lambda: fn(*args), call)
+    async def _run_here(self, fn, args, call: _Call):
         token = _CALL.set(call)  # code it calls (a tool) finds this runner
         try:
             return await fn(*args)
@@ -137,14 +137,22 @@ class UserCode:
             result = await self._on_user_loop(lambda: result, call)
         return result
 
-    async def _on_user_loop(self, make: Callable, call: _Call):
-        hops = self._hops_from(asyncio.get_running_loop())
+    async def _on_user_loop(self, make: Callable, call: _Call, timeout_s: float | None = None):
+        home = asyncio.get_running_loop()
+        hops = self._hops_from(home)
         hop = hops.send(make, call)
+        # A timer rather than a cancel scope (an environment's turn makes one or two of these on
+        # the run's loop): past `timeout_s` the hop's future gets the timeout, and the except
+        # below cancels its task on the user-code loop.
+        timer = None if timeout_s is None else home.call_later(timeout_s, _expire, hop, timeout_s)
         try:
             return await hop.future
         except BaseException:
             hops.cancel(hop)  # cancels the task on the user-code loop
             raise
+        finally:
+            if timer is not None:
+                timer.cancel()
 
     def _hops_from(self, home: asyncio.AbstractEventLoop) -> _Hops:
         user = self._user_loop()
@@ -277,6 +285,11 @@ class _Hops:
             except RuntimeError:  # the run's loop is closed: nobody waits for these any more
                 with self._back_lock:
                     self._back.clear()
+
+
+def _expire(hop: _Hop, timeout_s: float) -> None:
+    if not hop.future.done():
+        hop.future.set_exception(UserCodeTimeout(hop.call.named(), timeout_s, where=where_is(hop.call.thread)))
 
 
 def _cancel_task(hop: _Hop) -> None:

@@ -148,6 +148,28 @@ async def test_the_timeout_counts_from_the_start_of_the_call_not_the_wait_for_a_
         release.set()
 
 
+async def test_an_async_call_past_its_timeout_inside_a_tool_names_both_and_the_late_result_is_dropped():
+    runner = UserCode(threads=2)
+    released = threading.Event()
+
+    def slow_tool():
+        released.wait(30)
+        return "late"
+
+    async def step():
+        return await current().call(slow_tool, timeout_s=60, what="tool 'slow'")
+
+    try:
+        with pytest.raises(UserCodeTimeout) as expired:
+            await runner.call(step, timeout_s=0.3, what="the environment's step")
+        assert str(expired.value).startswith("the environment's step (in tool 'slow') ran past its timeout of 0.3 s")
+        released.set()  # the tool returns after its caller gave up: nothing is settled twice
+        assert await runner.call(step, timeout_s=30, what="the environment's step") == "late"
+    finally:
+        released.set()
+        runner.close()
+
+
 async def test_a_timeout_error_the_users_code_raises_is_its_own_not_the_runners():
     def raises():
         raise TimeoutError("the tool's own HTTP timeout")
