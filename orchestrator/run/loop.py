@@ -44,6 +44,7 @@ class RunLoop:
         self.run = run  # orchestrator.run.run.Run: config, fleet, scheduler, recorder, trainer, task, ...
         self.inflight: dict[int, InFlight] = {}  # rollout id -> its one record while the loop holds it
         self.prompts: dict[int, object] = {}  # group id -> its prompt, while the scheduler holds the group
+        self._prompt_errors: dict[int, Exception] = {}  # group id -> why its prompt failed (_fetch_prompts)
         self.batch: tuple[int, tuple[int, ...], float] | None = None
         self.stop_requested = anyio.Event()
         self.stop_reason = ""
@@ -153,6 +154,7 @@ class RunLoop:
                 await self._dispatch_wakeup.wait()
                 self._dispatch_wakeup = anyio.Event()
                 batch, self._pending_dispatch = self._pending_dispatch, []
+                await self._fetch_prompts(batch)
                 entries, started = [], []
                 for d in batch:
                     ctx = await self._context(d.rollout_id)
@@ -182,8 +184,27 @@ class RunLoop:
     async def _prompt(self, group_id: int):
         prompt = self.prompts.get(group_id)
         if prompt is None:
+            error = self._prompt_errors.pop(group_id, None)
+            if error is not None:
+                raise error
             prompt = self.prompts[group_id] = await self.run.task.prompt(group_id)
         return prompt
+
+    async def _fetch_prompts(self, batch: list) -> None:
+        """The prompts of a batch's new groups, fetched together: each is a call into the task's
+        code on a thread, and one after another a wave of new groups waited a round trip each.
+        A failure is raised where `_prompt` asks for that group, in the batch's order, as before."""
+        groups = {d.group_id for d in batch if d.group_id not in self.prompts}
+        if len(groups) > 1:
+            async with anyio.create_task_group() as tg:
+                for group_id in groups:
+                    tg.start_soon(self._prefetch, group_id)
+
+    async def _prefetch(self, group_id: int) -> None:
+        try:
+            self.prompts[group_id] = await self.run.task.prompt(group_id)
+        except Exception as exc:  # noqa: BLE001 - raised by _prompt, where the dispatcher reads it
+            self._prompt_errors[group_id] = exc
 
     async def _rollout(self, d: sch.Dispatch) -> None:
         from orchestrator.errors import ActivationError, EngineError

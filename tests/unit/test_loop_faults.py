@@ -161,3 +161,47 @@ async def test_a_completion_cut_by_max_tokens_is_scored_and_recorded_with_finish
     cut = sum(r.finish_reason == "length" for r in rollouts)
     assert 0 < cut < len(rollouts)
     assert stats_from_log(tmp_path)["truncated_share"] == pytest.approx(cut / len(rollouts))
+
+
+class SlowRows:
+    """FixedTask's prompt, each taking a while (a row read by the task's code on a thread), and
+    counting how many are being read at once; row `fail_at` raises."""
+
+    def __init__(self, task, fail_at: int | None = None) -> None:
+        self.task, self.fail_at = task, fail_at
+        self.reading = self.most_at_once = 0
+        self.rows = None
+
+    async def prompt(self, index: int):
+        self.reading += 1
+        self.most_at_once = max(self.most_at_once, self.reading)
+        try:
+            await anyio.sleep(0.05)
+            if index == self.fail_at:
+                raise LookupError(f"row {index} is missing")
+            return await self.task.prompt(index)
+        finally:
+            self.reading -= 1
+
+    def score_sync(self, prompt, completion_token_ids):
+        return self.task.score_sync(prompt, completion_token_ids)
+
+
+async def test_the_prompts_of_a_wave_of_new_groups_are_read_together(tmp_path):
+    run = make_run(tmp_path)
+    run.task = SlowRows(run.task)  # 32 in flight: four groups of 8 a wave
+    await drive(run)
+    check(tmp_path)
+    assert run.task.most_at_once >= 4, "the groups of a wave waited for each other's rows"
+    assert run.scheduler.done_steps == run.max_steps
+
+
+async def test_a_row_that_fails_among_others_read_together_stops_the_run_with_its_own_error(tmp_path):
+    run = make_run(tmp_path)
+    run.task = SlowRows(run.task, fail_at=2)
+    with pytest.raises(BaseException) as raised:
+        await drive(run)
+    errors = raised.value.exceptions if isinstance(raised.value, BaseExceptionGroup) else [raised.value]
+    while any(isinstance(e, BaseExceptionGroup) for e in errors):
+        errors = [x for e in errors for x in (e.exceptions if isinstance(e, BaseExceptionGroup) else [e])]
+    assert [str(e) for e in errors] == ["row 2 is missing"]
