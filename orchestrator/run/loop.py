@@ -44,7 +44,6 @@ class RunLoop:
         self.run = run  # orchestrator.run.run.Run: config, fleet, scheduler, recorder, trainer, task, ...
         self.inflight: dict[int, InFlight] = {}  # rollout id -> its one record while the loop holds it
         self.prompts: dict[int, object] = {}  # group id -> its prompt, while the scheduler holds the group
-        self._prompt_errors: dict[int, Exception] = {}  # group id -> why its prompt failed (_fetch_prompts)
         self.batch: tuple[int, tuple[int, ...], float] | None = None
         self.stop_requested = anyio.Event()
         self.stop_reason = ""
@@ -184,27 +183,30 @@ class RunLoop:
     async def _prompt(self, group_id: int):
         prompt = self.prompts.get(group_id)
         if prompt is None:
-            error = self._prompt_errors.pop(group_id, None)
-            if error is not None:
-                raise error
             prompt = self.prompts[group_id] = await self.run.task.prompt(group_id)
         return prompt
 
     async def _fetch_prompts(self, batch: list) -> None:
         """The prompts of a batch's new groups, fetched together: each is a call into the task's
         code on a thread, and one after another a wave of new groups waited a round trip each.
-        A failure is raised where `_prompt` asks for that group, in the batch's order, as before."""
+        A failure is raised here, the first in the batch's order, as reading them one by one did;
+        nothing of it stays behind (a stop's later reads ask the task again)."""
         groups = {d.group_id for d in batch if d.group_id not in self.prompts}
-        if len(groups) > 1:
-            async with anyio.create_task_group() as tg:
-                for group_id in groups:
-                    tg.start_soon(self._prefetch, group_id)
+        if len(groups) < 2:
+            return
+        failed: dict[int, Exception] = {}
+        async with anyio.create_task_group() as tg:
+            for group_id in groups:
+                tg.start_soon(self._prefetch, group_id, failed)
+        for d in batch:  # the first failure in the batch's order, as reading them one by one raised it
+            if d.group_id in failed:
+                raise failed[d.group_id]
 
-    async def _prefetch(self, group_id: int) -> None:
+    async def _prefetch(self, group_id: int, failed: dict[int, Exception]) -> None:
         try:
             self.prompts[group_id] = await self.run.task.prompt(group_id)
-        except Exception as exc:  # noqa: BLE001 - raised by _prompt, where the dispatcher reads it
-            self._prompt_errors[group_id] = exc
+        except Exception as exc:  # noqa: BLE001 - raised by _fetch_prompts in the batch's order
+            failed[group_id] = exc
 
     async def _rollout(self, d: sch.Dispatch) -> None:
         from orchestrator.errors import ActivationError, EngineError

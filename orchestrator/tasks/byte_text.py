@@ -54,10 +54,9 @@ class ByteText:
     """The text of token ids (special tokens kept), for a tokenizer `of` accepts."""
 
     def __init__(self, table: tuple[bytes | None, ...]) -> None:
-        self._size = len(table)
-        # As many gaps again after the table: a negative id reads a gap (None: the join refuses
-        # it) or past the start (IndexError), never a token's bytes from the table's end.
-        self._table = table + (None,) * len(table)
+        # A dict, not the tuple: an id it does not hold (negative, past the vocabulary, a gap in
+        # it) is a KeyError, where a tuple would read a negative id from its end.
+        self._bytes: dict[int, bytes] = {i: b for i, b in enumerate(table) if b is not None}
 
     @classmethod
     def of(cls, tokenizer) -> ByteText | None:
@@ -79,17 +78,17 @@ class ByteText:
 
     def decode(self, ids: Sequence[int]) -> str | None:
         """The text of `ids`, or None where an id has no bytes here (the caller asks the tokenizer)."""
-        table = self._table
+        table = self._bytes
         try:
             # itemgetter gathers the ids' bytes in C: a third of the time of a comprehension.
             parts = itemgetter(*ids)(table) if len(ids) > 1 else [table[i] for i in ids]
             return b"".join(parts).decode("utf-8", "replace")
-        except (IndexError, TypeError):  # outside the table, a gap in the vocabulary, a negative id
+        except (KeyError, TypeError):  # an id outside the vocabulary (or a gap in it), not an int
             return None
 
     def _agrees_with(self, backend) -> bool:
         """Every id alone, then random sequences, decoded here and by `tokenizers`: the same text."""
-        ids = [i for i, b in enumerate(self._table[:self._size]) if b is not None]
+        ids = list(self._bytes)
         if not ids:
             return False
         singles = backend.decode_batch([[i] for i in ids], skip_special_tokens=False)
@@ -98,7 +97,7 @@ class ByteText:
         rng = random.Random(0)
         # Many ids of a byte-level vocabulary are single bytes (the first 256 merges' inputs):
         # sampling among them splits multi-byte characters, the case where joining matters.
-        short = [i for i in ids if len(self._table[i]) == 1] or ids
+        short = [i for i in ids if len(self._bytes[i]) == 1] or ids
         sequences = [[rng.choice(short if rng.random() < 0.5 else ids) for _ in range(rng.randrange(1, _CHECK_LENGTH))]
                      for _ in range(_CHECK_SEQUENCES)]
         decoded = backend.decode_batch(sequences, skip_special_tokens=False)

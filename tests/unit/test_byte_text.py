@@ -36,7 +36,7 @@ def backend_text(tokenizer, ids) -> str:
 
 def single_byte_ids(tokenizer, text: ByteText) -> dict[int, int]:
     """byte -> the id of the token that is that byte alone."""
-    return {b[0]: i for i, b in enumerate(text._table[:text._size]) if b is not None and len(b) == 1}
+    return {b[0]: i for i, b in text._bytes.items() if len(b) == 1}
 
 
 def test_random_sequences_read_as_the_tokenizers_own_text():
@@ -89,7 +89,9 @@ def test_an_id_outside_the_vocabulary_is_left_to_the_tokenizer():
     vocab = len(tokenizer)
     assert text.decode([5, vocab + 3]) is None  # an engine's padded vocabulary can sample one
     assert text.decode([5, -1]) is None  # never read from the table's end
-    assert text.decode([-1]) is None and text.decode([-2 * vocab - 5, 7]) is None
+    # Every negative id, however far below (a tuple's index would wrap to a real token):
+    assert all(text.decode([5, -k]) is None for k in (1, 2, vocab - 1, vocab, vocab + 1, 2 * vocab, 2 * vocab + 5))
+    assert text.decode([-1]) is None and text.decode([-vocab - 1]) is None
     assert text.decode([]) == "" and text.decode([5]) == backend_text(tokenizer, [5])
     renderer = TurnRenderer(chatml(tokenizer))
     # The renderer falls back: the tokenizer drops ids it has no token for.
@@ -99,7 +101,7 @@ def test_an_id_outside_the_vocabulary_is_left_to_the_tokenizer():
 def test_a_table_that_disagrees_with_the_tokenizer_is_not_used():
     tokenizer = tiny_rl()
     text = ByteText.of(tokenizer)
-    table = list(text._table[:text._size])
+    table = [text._bytes.get(i) for i in range(len(tokenizer))]
     table[300] = table[300] + b"!"  # one token's bytes wrong
     assert not ByteText(tuple(table))._agrees_with(tokenizer.backend_tokenizer)
 

@@ -205,3 +205,19 @@ async def test_a_row_that_fails_among_others_read_together_stops_the_run_with_it
     while any(isinstance(e, BaseExceptionGroup) for e in errors):
         errors = [x for e in errors for x in (e.exceptions if isinstance(e, BaseExceptionGroup) else [e])]
     assert [str(e) for e in errors] == ["row 2 is missing"]
+
+
+async def test_a_row_that_failed_in_a_wave_is_asked_for_again_later_not_remembered(tmp_path):
+    from orchestrator.scheduling import scheduler as sch
+
+    run = make_run(tmp_path)
+    rows = run.task = SlowRows(run.task, fail_at=1)
+    batch = [sch.Dispatch(rollout_id=g * sch.ROLLOUT_ID_STRIDE, group_id=g, engine="fake-0", version=0)
+             for g in (0, 1, 2)]
+    with pytest.raises(LookupError, match="row 1 is missing"):
+        await run.loop._fetch_prompts(batch)
+    assert set(run.loop.prompts) == {0, 2}
+    rows.fail_at = None  # a transient failure: a later read (a stop's records) asks the task again
+    assert (await run.loop._prompt(1)).prompt_id == "bench"
+    run.recorder.close()
+    run.journal.close()
