@@ -4,9 +4,9 @@ Byte-level BPE (GPT-2's scheme: Qwen, Llama 3, GPT-NeoX, ...) writes each token 
 stands for, spelled in a 256-character alphabet; the `tokenizers` library's `ByteLevel` decoder
 maps every token back to its bytes (a token with a character outside that alphabet, an added
 token such as `<|im_end|>`, to its own UTF-8), joins them, and decodes the whole as UTF-8 with
-U+FFFD for what is not valid. The same, from a table of each id's bytes built once, is a join
-and one `bytes.decode`: ~15 us for a 500-token reply against `tokenizers`' ~47 us (its decoder
-builds a string per token first). An episode decodes every reply for its environment
+U+FFFD for what is not valid. The same, from a table of each id's bytes built once, is a gather,
+a join and one `bytes.decode`: ~10 us for a 500-token reply against `tokenizers`' ~46 us (its
+decoder builds a string per token first). An episode decodes every reply for its environment
 (`env._after_the_reply`); on `inflight bench orchestrator`'s zero-latency engine the
 environment's thread does that for every episode of a turn at once while the run's loop waits
 (`multi_turn_overhead_ratio`).
@@ -14,8 +14,8 @@ environment's thread does that for every episode of a turn at once while the run
 `ByteText.of(tokenizer)` gives one only where it is the same function: the decoder is
 `ByteLevel` itself (not a sequence with more steps), every id's text from the table matches
 `tokenizers`' own, and so do sequences that split characters across tokens. Anything else is
-None, and the tokenizer decodes as before. An id the table has no bytes for (outside the
-vocabulary, a gap in it) makes `decode` return None for that call: the tokenizer decides.
+None, and the tokenizer decodes as before. An id the table has no bytes for (negative, outside
+the vocabulary, a gap in it) makes `decode` return None for that call: the tokenizer decides.
 """
 
 from __future__ import annotations
