@@ -226,6 +226,17 @@ async def test_a_response_cut_by_its_length_is_incomplete_and_carries_logprobs_w
     assert r.usage.output_tokens == 3 and [x.logprob for x in r.output[0].content[0].logprobs] == [LOGPROB] * 3
 
 
+async def test_each_logprob_names_its_token_as_the_tokenizer_decodes_it_alone(live, renderer):
+    endpoint, url = live
+    sampler = Script(renderer, [TEXT])  # characters of several bytes: tokens that hold a part of one
+    eid = endpoint.open_episode({}, sampler, 64)
+    reply = await at(url, eid).chat.completions.create(model="m", messages=[user("hi")], logprobs=True)
+    items = reply.choices[0].logprobs.content
+    expected = [renderer.tokenizer.decode([t], skip_special_tokens=False) for t in sampler.replied[0]]
+    assert [x.token for x in items] == expected and "\ufffd" in expected
+    assert [x.bytes for x in items] == [list(t.encode()) for t in expected]
+
+
 async def test_a_streamed_response_sends_the_events_the_agents_sdk_reads(live, renderer):
     endpoint, url = live
     sampler = Script(renderer, [TEXT, "Let me add. " + CALL])
