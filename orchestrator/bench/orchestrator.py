@@ -6,12 +6,14 @@
    the same run, a bare anyio task group drives the same fake engine with the same number of
    rollouts in flight and nothing else. `overhead_ratio_cN` = orchestrator rollouts/s over bare
    rollouts/s at N in flight (goal >= 0.5); `scale_ratio_8192_vs_64` = orchestrator rollouts/s
-   at 8192 over at 64 (goal >= 0.7).
-2. Scoring off the loop: `score_overhead_ratio` = orchestrator rollouts/s with a 1 ms Python
-   reward function (process pool) over with none, same run, on the zero-latency engine, where
-   the loop alone saturates a core and scoring needs CPU the 2-core machine does not have;
-   `score_overhead_ratio_paced` the same with the engine paced like a real one (a few hundred
-   rollouts/s). Goal >= 0.9.
+   at 8192 over at 64 (goal >= 0.7). Where the c64 rollout's time goes (`orchestrator/bench/
+   loop_costs.py`): each thread's CPU a rollout (`cpu_us_per_rollout_by_thread`), and
+   `loop_split_c64`, the loop's fixed cost a rollout against its cost a chunk.
+2. Scoring off the loop (`orchestrator/bench/scoring_overhead.py`): `score_overhead_ratio` =
+   orchestrator rollouts/s with a 1 ms Python reward function (process pool) over with none,
+   same run, on the zero-latency engine, where the loop alone saturates a core and scoring needs
+   CPU the 2-core machine does not have; `score_overhead_ratio_paced` the same with the engine
+   paced like a real one (a few hundred rollouts/s). Goal >= 0.9.
 3. Flat memory: `rss_growth_ratio` = resident memory after `--soak-steps` steps over after a
    tenth of them, the real loop on the fake engine and trainer (goal <= 1.1).
 4. Generation at the engine's speed: `generation_ratio` = completion tokens/s of the rollout path
@@ -82,32 +84,32 @@ def register(bench_sub) -> None:
 
 
 def fake_engine(engine_id: str, tokens: int = TOKENS, chunk_delay_s: float = 0.0, swap_delay_s: float = 0.0,
-                delayed: tuple[str, ...] | None = None):
+                delayed: tuple[str, ...] | None = None, chunk: int = CHUNK):
     """`swap_delay_s`: every swap RPC (stage, status, apply, ...) takes that long, a slow engine
     among fast ones (`orchestrator/bench/fleet_scale.py`), or only the methods `delayed` names;
     `swap_delayed_s` adds up its waits."""
     from orchestrator.engines.base import Engine, TokenChunk, VersionSpan
 
     class ZeroLatencyEngine(Engine):
-        """Streams `tokens` tokens in chunks of CHUNK, yielding to the loop between chunks."""
+        """Streams `tokens` tokens in chunks of `chunk`, yielding to the loop between chunks."""
 
         def __init__(self) -> None:
             self.engine_id = engine_id
             self.version = 0
             self.staged = None
             self.swap_delayed_s = 0.0
-            self._chunk_ids = list(range(CHUNK))
-            self._chunk_lps = [-1.0] * CHUNK
+            self._chunk_ids = list(range(chunk))
+            self._chunk_lps = [-1.0] * chunk
 
         async def start(self): ...
 
         async def generate(self, request_id, prompt_token_ids, sampling, cache_salt=None, final_only=False):
-            for start in range(0, tokens, CHUNK):
+            for start in range(0, tokens, chunk):
                 if chunk_delay_s:
                     await anyio.sleep(chunk_delay_s)  # paced like a real engine's stream
                 else:
                     await anyio.lowlevel.checkpoint()
-                n = min(CHUNK, tokens - start)
+                n = min(chunk, tokens - start)
                 last = start + n >= tokens
                 yield TokenChunk(self._chunk_ids[:n], self._chunk_lps[:n], finished=last,
                                  finish_reason="length" if last else None,
@@ -208,7 +210,8 @@ class BenchRun:
     `pool`: "thread" or "process" (`task.score_pool`), or "inline" (on the loop: a baseline)."""
 
     def __init__(self, run_dir: Path, concurrency: int, rollouts: int, score_ms: float = 0.0,
-                 tokens: int = TOKENS, pool: str = "thread", chunk_delay_s: float = 0.0, engines: int = 1) -> None:
+                 tokens: int = TOKENS, pool: str = "thread", chunk_delay_s: float = 0.0, engines: int = 1,
+                 chunk: int = CHUNK) -> None:
         from orchestrator.config.run import RunConfig, RunSection, SchedulerConfig
         from orchestrator.fleet.fleet import Fleet
         from orchestrator.observe.metrics import RunMetrics
@@ -232,7 +235,7 @@ class BenchRun:
         self.recorder = Recorder(run_dir, on_record=self.metrics.on_record)
         self.journal = DispatchJournal(run_dir)
         ids = [f"fake-{i}" for i in range(engines)]
-        self.fleet = Fleet([fake_engine(e, tokens, chunk_delay_s) for e in ids])
+        self.fleet = Fleet([fake_engine(e, tokens, chunk_delay_s, chunk=chunk) for e in ids])
         self.scheduler = sch.Scheduler(scheduler, ids, max_steps=self.max_steps)
         self.trainer = InstantTrainer()
         self.task = FixedTask(score_ms)
@@ -253,15 +256,16 @@ class BenchRun:
 
 async def orchestrator_rate(concurrency: int, rollouts: int, score_ms: float = 0.0, pool: str = "thread",
                             chunk_delay_s: float = 0.0, tokens: int = TOKENS, engines: int = 1,
-                            loop_lags: list[float] | None = None) -> dict:
-    """Rollouts/s of the real RunLoop, and the event loop thread's CPU per rollout. `engines`
-    fake engines share the rollouts; `loop_lags` (a list) gets the event loop's lag, sampled
-    all along (`sample_loop_lag`)."""
+                            loop_lags: list[float] | None = None, chunk: int = CHUNK) -> dict:
+    """Rollouts/s of the real RunLoop, and the event loop thread's CPU per rollout (and every
+    thread's: `loop_costs.cpu_by_role`). `engines` fake engines share the rollouts; `loop_lags`
+    (a list) gets the event loop's lag, sampled all along (`sample_loop_lag`)."""
+    from orchestrator.bench.loop_costs import cpu_by_role, thread_cpu_s
     from orchestrator.run.loop import RunLoop
 
     with tempfile.TemporaryDirectory(prefix="inflight-bench-") as tmp:
         run = BenchRun(Path(tmp), concurrency, rollouts, score_ms, tokens=tokens, pool=pool,
-                       chunk_delay_s=chunk_delay_s, engines=engines)
+                       chunk_delay_s=chunk_delay_s, engines=engines, chunk=chunk)
         loop = RunLoop(run)
         run.loop = loop
         await run.scorer.start()
@@ -269,10 +273,11 @@ async def orchestrator_rate(concurrency: int, rollouts: int, score_ms: float = 0
             async with anyio.create_task_group() as tg:
                 if loop_lags is not None:
                     tg.start_soon(sample_loop_lag, loop_lags)
-                started, cpu = time.perf_counter(), time.thread_time()
+                started, cpu, threads = time.perf_counter(), time.thread_time(), thread_cpu_s()
                 with anyio.fail_after(600):
                     await loop.main(run.scheduler.start())
                 elapsed, cpu = time.perf_counter() - started, time.thread_time() - cpu
+                threads = cpu_by_role(threads, thread_cpu_s(), run.scheduler.done_steps * run.scheduler.batch_size)
                 tg.cancel_scope.cancel()
         finally:
             await run.scorer.aclose()
@@ -280,8 +285,11 @@ async def orchestrator_rate(concurrency: int, rollouts: int, score_ms: float = 0
         await run.recorder.flush()
         run.recorder.close()
         run.journal.close()
-        return {"rollouts": consumed, "seconds": elapsed, "rollouts_per_s": consumed / elapsed,
-                "records": run.recorder.written, "loop_cpu_us_per_rollout": 1e6 * cpu / consumed}
+        row = {"rollouts": consumed, "seconds": elapsed, "rollouts_per_s": consumed / elapsed,
+               "records": run.recorder.written, "loop_cpu_us_per_rollout": 1e6 * cpu / consumed}
+        if threads is not None:
+            row["cpu_us_per_rollout_by_thread"] = threads
+        return row
 
 
 async def sample_loop_lag(lags: list[float], period_s: float = 0.01) -> None:
@@ -293,11 +301,11 @@ async def sample_loop_lag(lags: list[float], period_s: float = 0.01) -> None:
         lags.append(max(0.0, time.perf_counter() - before - period_s))
 
 
-async def bare_rate(concurrency: int, rollouts: int) -> dict:
+async def bare_rate(concurrency: int, rollouts: int, chunk: int = CHUNK) -> dict:
     """The simplest alternative: N tasks, each draining the fake engine's stream in a loop."""
     from orchestrator.engines.base import SamplingSettings
 
-    engine = fake_engine("bare")
+    engine = fake_engine("bare", chunk=chunk)
     sampling = SamplingSettings(max_tokens=TOKENS)
     remaining = [rollouts]
 
@@ -363,12 +371,18 @@ async def run_bench(args: argparse.Namespace) -> dict:
         result[f"bare_c{c}"] = bare
         result[f"orchestrator_c{c}"] = orch
         result[f"overhead_ratio_c{c}"] = orch["rollouts_per_s"] / bare["rollouts_per_s"]
+        if c == 64:  # where the c64 rollout's cost goes: per rollout against per chunk
+            from orchestrator.bench.loop_costs import loop_split
+
+            result.update(await loop_split(orchestrator_rate, bare_rate, n, TOKENS, CHUNK, orch, bare))
     if 64 in rates and 8192 in rates:
         result["scale_ratio_8192_vs_64"] = rates[8192] / rates[64]
     score_rollouts = args.rollouts if args.score_rollouts is None else args.score_rollouts
     if score_rollouts:
-        result.update(await score_overhead(score_rollouts))
-        result.update(await score_overhead_paced())
+        from orchestrator.bench.scoring_overhead import score_overhead, score_overhead_paced
+
+        result.update(await score_overhead(orchestrator_rate, score_rollouts))
+        result.update(await score_overhead_paced(orchestrator_rate))
     sizes = [n for n in args.fleet_scale if n > 0]
     if sizes:
         from orchestrator.bench.fleet_scale import fleet_scale
@@ -433,41 +447,6 @@ async def soak(steps: int = 2000, warmup: int = 200, concurrency: int = 16, toke
             "rss_after_warmup_mb": marks[warmup] / 2**20, "rss_end_mb": marks[steps] / 2**20,
             "rss_growth_ratio": marks[steps] / marks[warmup], "inflight_records_held_at_end": held[0],
             "prompts_held_at_end": held[1]}
-
-
-async def score_overhead(rollouts: int, concurrency: int = 64, score_ms: float = 1.0) -> dict:
-    """Rollouts/s with a `score_ms` Python reward function against with none (scored on the
-    loop, free), in the same run: `score_overhead_ratio` with the process pool (the default,
-    goal >= 0.9), `score_overhead_ratio_thread` with threads, `score_ipc_ratio` the process pool
-    with a free function (its hop alone). Every scored run also needs `score_ms` of CPU per
-    rollout besides the loop's: with few cores that, not the hop, is the limit."""
-    import os
-
-    none = await orchestrator_rate(concurrency, rollouts, 0.0, pool="inline")
-    ipc = await orchestrator_rate(concurrency, rollouts, 0.0, pool="process")
-    scored = await orchestrator_rate(concurrency, rollouts, score_ms, pool="process")
-    thread = await orchestrator_rate(concurrency, rollouts, score_ms, pool="thread")
-    rate = none["rollouts_per_s"]
-    return {"score_ms": score_ms, "cpus": os.cpu_count(), "orchestrator_unscored": none,
-            "orchestrator_process_free_score": ipc, "orchestrator_scored": scored,
-            "orchestrator_scored_thread": thread, "score_ipc_ratio": ipc["rollouts_per_s"] / rate,
-            "score_overhead_ratio": scored["rollouts_per_s"] / rate,
-            "score_overhead_ratio_thread": thread["rollouts_per_s"] / rate}
-
-
-async def score_overhead_paced(rollouts: int = 2048, concurrency: int = 64, score_ms: float = 1.0,
-                               chunk_delay_s: float = 0.01) -> dict:
-    """The same comparison with the fake engine paced like a real one (a chunk of 16 tokens every
-    `chunk_delay_s`: a few hundred rollouts/s, the loop no longer saturating a core by itself):
-    whether scoring off the loop throttles a run that is not already CPU-bound."""
-    none = await orchestrator_rate(concurrency, rollouts, 0.0, pool="inline", chunk_delay_s=chunk_delay_s)
-    scored = await orchestrator_rate(concurrency, rollouts, score_ms, pool="process", chunk_delay_s=chunk_delay_s)
-    thread = await orchestrator_rate(concurrency, rollouts, score_ms, pool="thread", chunk_delay_s=chunk_delay_s)
-    rate = none["rollouts_per_s"]
-    return {"paced_chunk_delay_s": chunk_delay_s, "orchestrator_unscored_paced": none,
-            "orchestrator_scored_paced": scored, "orchestrator_scored_thread_paced": thread,
-            "score_overhead_ratio_paced": scored["rollouts_per_s"] / rate,
-            "score_overhead_ratio_thread_paced": thread["rollouts_per_s"] / rate}
 
 
 def bench_command(args: argparse.Namespace) -> int:

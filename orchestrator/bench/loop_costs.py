@@ -1,0 +1,86 @@
+"""Where `inflight bench orchestrator`'s rollout costs go: by thread, and per rollout against per chunk.
+
+Two figures beside `overhead_ratio_c64`, so that docs/architecture.md's account of one rollout's
+cost is a command's output, not a one-off script's:
+
+* `cpu_us_per_rollout_by_thread` (in each `orchestrator_cN` row): the CPU time (each thread's
+  CPU-time clock, Linux) each Python thread of the process spent while the loop ran, over the rollouts
+  consumed, grouped by the thread's role: `loop` (the event loop's thread), `replay_writer` (the
+  replay log's writer: append, CRC, live statistics, metrics), `journal` (anyio's worker threads:
+  the dispatch journal's write and fsync), `scoring` (the scorer's threads), `other`. The
+  threads share one GIL, so where the loop saturates a core the wall time a rollout is about
+  their sum. A thread started during the run counts from its start; one that ended before the
+  run did is missing (anyio keeps its idle workers 10 s); off Linux the key is absent.
+* `loop_split_c64`: the same run with the fake engine's 500 tokens in one chunk instead of 32,
+  for the loop and for the bare task group: `fixed_us_per_rollout` is what the loop spends on a
+  rollout beyond the bare group's whatever its chunks (dispatch, the request's track, scoring,
+  the scheduler, the record, the writer's share), `loop_us_per_chunk` and `bare_us_per_chunk` what
+  each further chunk costs the loop and the bare group.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+_ROLES = (("MainThread", "loop"), ("replay-writer", "replay_writer"), ("AnyIO worker thread", "journal"),
+          ("inflight-score", "scoring"))
+
+
+def thread_cpu_s() -> dict[int, tuple[str, float]] | None:
+    """Each live thread's kernel id -> (its role, CPU seconds so far, to the nanosecond); None off
+    Linux. The clock is named by the kernel id (Linux's thread CPU-time clock, as glibc's
+    pthread_getcpuclockid makes it), not from a pthread handle, which is not safe to use once its
+    thread has ended: a thread that ended meanwhile is an OSError here, and skipped."""
+    if not sys.platform.startswith("linux"):
+        return None
+    out: dict[int, tuple[str, float]] = {}
+    for thread in threading.enumerate():
+        if thread.native_id is None:  # not started yet
+            continue
+        try:
+            out[thread.native_id] = (_role(thread.name), time.clock_gettime(_thread_cpu_clock(thread.native_id)))
+        except OSError:
+            continue
+    return out
+
+
+def _thread_cpu_clock(native_id: int) -> int:
+    # Linux's CPU-time clock of one thread: MAKE_THREAD_CPUCLOCK(tid, CPUCLOCK_SCHED).
+    return (~native_id << 3) | 6
+
+
+def _role(name: str) -> str:
+    for prefix, role in _ROLES:
+        if name.startswith(prefix):
+            return role
+    return "other"
+
+
+def cpu_by_role(before: dict | None, after: dict | None, rollouts: int) -> dict[str, float] | None:
+    """µs of CPU a rollout per role, over the threads alive at the end (those started since
+    `before` from their start)."""
+    if before is None or after is None or not rollouts:
+        return None
+    out: dict[str, float] = {}
+    for tid, (role, seconds) in after.items():
+        since = before[tid][1] if tid in before else 0.0
+        out[role] = out.get(role, 0.0) + 1e6 * (seconds - since) / rollouts
+    return out
+
+
+async def loop_split(orchestrator_rate, bare_rate, rollouts: int, tokens: int, chunk: int,
+                     streamed: dict, bare_streamed: dict, concurrency: int = 64) -> dict:
+    """`loop_split_c64`: `streamed`/`bare_streamed` are the chunked run's rows (same rollouts)."""
+    one = await orchestrator_rate(concurrency, rollouts, chunk=tokens)
+    bare_one = await bare_rate(concurrency, rollouts, chunk=tokens)
+    chunks = -(-tokens // chunk)
+    us = lambda row: 1e6 / row["rollouts_per_s"]  # noqa: E731 - wall µs a rollout
+    return {f"orchestrator_c{concurrency}_one_chunk": one, f"bare_c{concurrency}_one_chunk": bare_one,
+            f"loop_split_c{concurrency}": {
+                "chunks_per_rollout": chunks,
+                "loop_us_per_rollout_one_chunk": us(one), "bare_us_per_rollout_one_chunk": us(bare_one),
+                "fixed_us_per_rollout": us(one) - us(bare_one),
+                "loop_us_per_chunk": (us(streamed) - us(one)) / (chunks - 1),
+                "bare_us_per_chunk": (us(bare_streamed) - us(bare_one)) / (chunks - 1)}}

@@ -1,0 +1,70 @@
+"""`inflight bench orchestrator`'s account of where a rollout's time goes (orchestrator/bench/
+loop_costs.py): each thread's CPU a rollout by role, and the loop's fixed cost a rollout against
+its cost a chunk. Figures, not asserted times: the rows have their keys, the roles are the
+threads that did the work, and one chunk a rollout is what the fake engine then sends."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from orchestrator.bench.loop_costs import cpu_by_role, loop_split, thread_cpu_s
+from orchestrator.bench.orchestrator import TOKENS, bare_rate, fake_engine, orchestrator_rate
+from orchestrator.engines.base import SamplingSettings
+
+
+def test_cpu_by_role_adds_each_threads_cpu_in_the_window_by_role():
+    before = {1: ("loop", 1.0), 2: ("replay_writer", 0.5), 3: ("journal", 0.2)}
+    after = {1: ("loop", 1.5), 2: ("replay_writer", 0.75), 4: ("journal", 0.1), 5: ("journal", 0.05)}
+    # 3 ended during the run (missing); 4 and 5 started during it (all their CPU is in the window)
+    assert cpu_by_role(before, after, 1000) == pytest.approx(
+        {"loop": 500.0, "replay_writer": 250.0, "journal": 150.0})
+    assert cpu_by_role(None, after, 1000) is None  # no /proc: absent, not zero
+    assert cpu_by_role(before, after, 0) is None
+
+
+def test_threads_are_named_by_their_role_and_their_cpu_grows():
+    spin = threading.Event()
+
+    def work() -> None:
+        while not spin.is_set():
+            sum(range(1000))
+
+    worker = threading.Thread(target=work, name="replay-writer")
+    first = thread_cpu_s()
+    worker.start()
+    try:
+        threading.Event().wait(0.2)
+        second = thread_cpu_s()
+    finally:
+        spin.set()
+        worker.join()
+    assert first is not None and second is not None
+    assert second[threading.main_thread().native_id][0] == "loop"
+    assert worker.native_id not in first
+    assert second[worker.native_id][0] == "replay_writer"
+    assert second[worker.native_id][1] > 0.0
+    assert cpu_by_role(first, second, 1)["replay_writer"] > 0.0
+
+
+async def test_one_chunk_a_rollout_is_what_the_fake_engine_sends():
+    engine = fake_engine("one", chunk=TOKENS)
+    chunks = [c async for c in engine.generate("r", [1], SamplingSettings(max_tokens=TOKENS))]
+    assert len(chunks) == 1 and len(chunks[0].token_ids) == TOKENS and chunks[0].finished
+    streamed = [c async for c in fake_engine("many").generate("r", [1], SamplingSettings(max_tokens=TOKENS))]
+    assert len(streamed) == 32 and sum(len(c.token_ids) for c in streamed) == TOKENS
+
+
+async def test_the_loop_rows_name_the_threads_and_split_the_cost():
+    streamed = await orchestrator_rate(16, 256)
+    by_thread = streamed["cpu_us_per_rollout_by_thread"]
+    assert by_thread["loop"] > 0 and by_thread["replay_writer"] > 0  # the writer wrote every record
+    bare = await bare_rate(16, 256)
+    out = await loop_split(orchestrator_rate, bare_rate, 256, TOKENS, 16, streamed, bare, concurrency=16)
+    split = out["loop_split_c16"]
+    assert split["chunks_per_rollout"] == 32
+    assert set(split) >= {"fixed_us_per_rollout", "loop_us_per_chunk", "bare_us_per_chunk",
+                          "loop_us_per_rollout_one_chunk", "bare_us_per_rollout_one_chunk"}
+    assert out["orchestrator_c16_one_chunk"]["rollouts"] >= 256
+    assert out["orchestrator_c16_one_chunk"]["records"] >= out["orchestrator_c16_one_chunk"]["rollouts"]
