@@ -40,8 +40,9 @@ class ProgressState:
 
 
 def sparkline(values: list[float]) -> str:
-    """The reward curve in one line of block characters (scaled to 0..1)."""
-    bars = " ▁▂▃▄▅▆▇█"
+    """The reward curve in one line of block characters (scaled to 0..1), one a step: the lowest
+    bar is the floor (a blank for 0 made a run that had not learned yet show no curve at all)."""
+    bars = "▁▂▃▄▅▆▇█"
     out = []
     for v in values:
         v = min(1.0, max(0.0, v))
