@@ -73,6 +73,10 @@ class TaskConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # One row (`row(index)` of a task object) and its prompt's rendering, in a worker thread: past
     # it the run stops naming the row, instead of waiting on it with every admission behind it.
     row_timeout_s: float = 60.0
+    # score_pool = "process": one more scoring process kept built, so that a worker killed for
+    # score_timeout_s (or dead) is replaced at once instead of after its build (seconds: Python,
+    # the task's imports, the tokenizer); false saves its memory.
+    score_spare_worker: bool = True
 
     @property
     def scoring_pool(self) -> str:

@@ -272,7 +272,7 @@ class Run:
             # A multi-turn task's reward is its episode's: no scoring pool to start.
             pool = "thread" if getattr(self.task, "episodic", False) else config.task.scoring_pool
             self.scorer = make_scorer(self.task, pool=pool, workers=config.task.score_workers,
-                                      timeout_s=config.task.score_timeout_s,
+                                      timeout_s=config.task.score_timeout_s, spare=config.task.score_spare_worker,
                                       builder=functools.partial(make_task, config.task, model_dir,
                                                                 search_path=self.search_path, scoring_only=True,
                                                                 sampling=self.sampling))

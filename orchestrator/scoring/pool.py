@@ -10,7 +10,12 @@ own; the event loop watches every worker's answer pipe (`loop.add_reader`, regis
 worker) and hands each answer to the call waiting for it: no thread per call, no blocking read.
 
 At most N calls run at once; the others wait in arrival order. A call past T seconds is a
-`reward_timeout`: its worker is SIGKILLed, reaped and replaced. A worker that dies mid-call is a
+`reward_timeout`: its worker is SIGKILLed, reaped and replaced. The replacement is a spare, built
+ahead (`spare=True`, the default: one more process, started once the N are ready): a worker's
+build (Python, the task's imports, its tokenizer) takes seconds, during which its slot scores
+nothing, so a reward that hangs on some prompts cost its timeout plus a build each time; with the
+spare it costs the timeout, and the next spare builds while the calls go on (hangs closer together
+than one build still wait for one). A worker that dies mid-call is a
 `reward_error` and is replaced; an exception in the task's code is a `reward_error` and the
 worker is kept. A cancelled call kills its worker (its late answer must never reach the next
 job); the next call on that slot starts a fresh one, as after any death.
@@ -151,9 +156,11 @@ def _expire(fut: asyncio.Future) -> None:
 
 class ScorePool:
     def __init__(self, builder: Callable[[], object], *, workers: int, timeout_s: float, name: str = "score",
-                 where: str = "task", start_timeout_s: float = START_TIMEOUT_S, nice: int = NICE) -> None:
+                 where: str = "task", start_timeout_s: float = START_TIMEOUT_S, nice: int = NICE,
+                 spare: bool = True) -> None:
         """`where`: the config section a builder's unnamed failure is reported under; `nice`:
-        the workers' CPU niceness (see NICE)."""
+        the workers' CPU niceness (see NICE); `spare`: keep one more worker built, to replace a
+        killed or dead one at once."""
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         self.builder, self.workers, self.timeout_s = builder, workers, timeout_s
@@ -165,6 +172,8 @@ class ScorePool:
         # FIFO: waiting calls are served in arrival order; no extra loop pass when one is free.
         self._limit = anyio.Semaphore(workers, fast_acquire=True)
         self._dead: list[subprocess.Popen] = []  # killed, reaped later
+        self.spare = spare
+        self._spare: _Worker | None = None  # built (or building) ahead, in no slot yet
         self._ready = self._closed = False
 
     # -- life --------------------------------------------------------------------------------------
@@ -185,6 +194,7 @@ class ScorePool:
                 await self._spawn(slot, deadline)
             for worker in self._slots:
                 await self._handshake(worker, deadline)
+            await self._spare_again()  # builds while the run starts; not waited for
         except BaseException:
             await self.aclose()
             raise
@@ -196,8 +206,8 @@ class ScorePool:
         fails. Shielded and bounded; idempotent."""
         self._closed = True
         with anyio.CancelScope(shield=True):
-            workers = [w for w in self._slots if w is not None]
-            self._slots = [None] * self.workers
+            workers = [w for w in [*self._slots, self._spare] if w is not None]
+            self._slots, self._spare = [None] * self.workers, None
             processes = [w.process for w in workers] + self._dead
             self._dead = []
             for worker in workers:
@@ -214,6 +224,16 @@ class ScorePool:
     def pids(self) -> list[int]:
         """The worker processes now started (diagnostics and tests)."""
         return [w.process.pid for w in self._slots if w is not None]
+
+    @property
+    def spare_pid(self) -> int | None:
+        """The spare's process, built or building (None: none now)."""
+        return None if self._spare is None else self._spare.process.pid
+
+    @property
+    def spare_answered(self) -> bool:
+        """Whether the spare has said how its build went (its "ready", or its failure)."""
+        return self._spare is not None and bool(self._spare.unread)
 
     # -- calls -------------------------------------------------------------------------------------
     async def score(self, prompt, completion_token_ids: Sequence[int]) -> dict[str, float]:
@@ -266,7 +286,8 @@ class ScorePool:
         if worker is None:
             deadline = time.monotonic() + self.start_timeout_s
             try:
-                worker = await self._spawn(slot, deadline)
+                worker = self._take_spare(slot) or await self._spawn(slot, deadline)
+                await self._spare_again()  # the next one builds while this one finishes
                 await self._handshake(worker, deadline)
             except BaseException as exc:
                 if self._slots[slot] is not None:
@@ -276,17 +297,40 @@ class ScorePool:
                 raise
         return worker
 
+    def _take_spare(self, slot: int) -> _Worker | None:
+        """The spare, into `slot`; None when there is none or it died while it waited (a fresh
+        worker is then built, as without a spare: a builder that now fails says so there)."""
+        spare, self._spare = self._spare, None
+        if spare is None:
+            return None
+        if spare.eof or spare.process.poll() is not None:
+            self._kill_now(None, spare)
+            return None
+        self._slots[slot] = spare
+        return spare
+
+    async def _spare_again(self) -> None:
+        """Start building the next spare (its answer is read when it is taken). One that cannot
+        start leaves no spare: replacements are then built when needed, as without one."""
+        if not self.spare or self._spare is not None or self._closed:
+            return
+        try:
+            await self._spawn(None, time.monotonic() + self.start_timeout_s)
+        except Exception:  # noqa: BLE001 - e.g. no process could start: the call goes on without it
+            if self._spare is not None:
+                self._kill_now(None, self._spare)
+
     # -- processes ---------------------------------------------------------------------------------
-    async def _spawn(self, slot: int, deadline: float) -> _Worker:
-        """A fresh worker in `slot`, its builder sent. On the event loop's thread: the worker's
-        parent-death signal is tied to the thread that started it."""
+    async def _spawn(self, slot: int | None, deadline: float) -> _Worker:
+        """A fresh worker in `slot` (None: the spare), its builder sent. On the event loop's
+        thread: the worker's parent-death signal is tied to the thread that started it."""
         job_r, job_w = os.pipe()
         answer_r, answer_w = os.pipe()
         path = json.dumps([str(p) for p in sys.path])  # the builder's modules import as they do here
         try:
             process = subprocess.Popen(
                 [sys.executable, "-c", _WORKER_CODE, path, str(job_r), str(answer_w), str(os.getpid()),
-                 f"{self.name}-{slot}", str(self.nice)],
+                 f"{self.name}-{'s' if slot is None else slot}", str(self.nice)],
                 pass_fds=(job_r, answer_w), stdin=subprocess.DEVNULL,
                 process_group=0)  # a terminal's Ctrl-C goes to the orchestrator's group only
         except BaseException:
@@ -296,7 +340,11 @@ class ScorePool:
         finally:
             os.close(job_r)
             os.close(answer_w)
-        worker = self._slots[slot] = _Worker(process, job_w, answer_r, self._loop)  # aclose() sees it
+        worker = _Worker(process, job_w, answer_r, self._loop)
+        if slot is None:  # aclose() sees it at once, wherever it is
+            self._spare = worker
+        else:
+            self._slots[slot] = worker
         # Not sent (it died at once, or never read): the handshake says so, with its exit code.
         await worker.send(self._builder_bytes, max(0.0, deadline - time.monotonic()))
         return worker
@@ -322,9 +370,12 @@ class ScorePool:
         self._kill_now(slot, worker)
         return await _exit_code(worker.process)
 
-    def _kill_now(self, slot: int, worker: _Worker) -> None:
-        """SIGKILL without waiting (safe under cancellation); reaped later."""
-        if self._slots[slot] is worker:
+    def _kill_now(self, slot: int | None, worker: _Worker) -> None:
+        """SIGKILL without waiting (safe under cancellation); reaped later. `slot` None: the spare."""
+        if slot is None:
+            if self._spare is worker:
+                self._spare = None
+        elif self._slots[slot] is worker:
             self._slots[slot] = None
         if worker.process.poll() is None:
             worker.process.kill()

@@ -221,11 +221,12 @@ class Scorer:
 
 
 def make_scorer(task, *, pool: str, workers: int, timeout_s: float, builder: Callable[[], object] | None = None,
-                where: str = "task"):
+                where: str = "task", spare: bool = True):
     """The scorer `task.score_pool` names: "thread" scores `task` in this process's threads;
     "process" builds the task again in each of `workers` processes with `builder` (a picklable
-    zero-argument callable, e.g. `functools.partial(make_task, config, model_dir, ...)`).
-    Either has `start()`, `score()` and `aclose()`."""
+    zero-argument callable, e.g. `functools.partial(make_task, config, model_dir, ...)`), and with
+    `spare` one more, built ahead to replace a killed one at once. Either has `start()`, `score()`
+    and `aclose()`."""
     if pool == "thread":
         return Scorer(task, workers=workers, timeout_s=timeout_s)
     if pool == "process":
@@ -233,7 +234,8 @@ def make_scorer(task, *, pool: str, workers: int, timeout_s: float, builder: Cal
             raise ValueError("a process pool builds its task in each worker: give builder=")
         from orchestrator.scoring.pool import ScorePool
 
-        return ScorePool(builder, workers=workers, timeout_s=timeout_s, where=where, name=f"{where}-score")
+        return ScorePool(builder, workers=workers, timeout_s=timeout_s, where=where, name=f"{where}-score",
+                         spare=spare)
     from orchestrator.errors import ConfigError
 
     raise ConfigError(f"{where}.score_pool", f"must be \"process\" or \"thread\", got {pool!r}")

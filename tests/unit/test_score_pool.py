@@ -132,6 +132,52 @@ async def test_a_hung_call_times_out_its_process_is_killed_and_the_next_call_wor
         await pool.aclose()
 
 
+async def test_a_worker_killed_for_its_timeout_is_replaced_by_the_spare_built_ahead():
+    pool = _pool("spt-spare", timeout_s=0.5)
+    await pool.start()
+    try:
+        spare = pool.spare_pid
+        assert spare is not None and spare not in pool.pids and _alive(spare)
+        await _wait_for(lambda: pool.spare_answered, "the spare to build its task")
+        hung = await _whoami(pool)
+        with anyio.fail_after(30), pytest.raises(ScoreFailed) as err:
+            await pool.score({"do": "hang"}, [1])
+        assert err.value.kind == REWARD_TIMEOUT and _state(hung) is None
+        # The next call runs in the spare, built before the hang: no build between the two.
+        assert await _whoami(pool) == spare and pool.pids == [spare]
+        assert pool.spare_pid not in (None, spare, hung) and _alive(pool.spare_pid)
+    finally:
+        await pool.aclose()
+    assert not _named("spt-spare")
+
+
+async def test_a_spare_that_died_while_it_waited_is_not_used_and_no_spare_is_kept_when_asked():
+    pool = _pool("spt-spare-dead")
+    await pool.start()
+    try:
+        spare = pool.spare_pid
+        await _wait_for(lambda: pool.spare_answered, "the spare to build its task")  # built, then dead
+        os.kill(spare, signal.SIGKILL)
+        await _wait_for(lambda: _state(spare) in (None, "Z"), "the spare to die")
+        with pytest.raises(ScoreFailed):
+            await pool.score({"do": "exit"}, [1])  # its worker dies: the next call needs a new one
+        replacement = await _whoami(pool)
+        assert replacement != spare and _alive(replacement)
+        assert pool.spare_pid not in (None, spare, replacement)  # and a new spare builds
+    finally:
+        await pool.aclose()
+    plain = ScorePool(functools.partial(CommandTask), workers=1, timeout_s=5, name="spt-nospare", spare=False)
+    await plain.start()
+    try:
+        assert plain.spare_pid is None
+        with pytest.raises(ScoreFailed):
+            await plain.score({"do": "exit"}, [1])
+        assert await plain.score({"do": "sum"}, [3]) == {"reward": 3.0, "count": 1.0}
+        assert plain.spare_pid is None and len(_named("spt-nospare")) == 1
+    finally:
+        await plain.aclose()
+
+
 async def test_a_worker_that_dies_mid_call_is_a_reward_error_and_is_replaced(tmp_path):
     pool = _pool("spt-die")
     await pool.start()
@@ -275,7 +321,7 @@ async def test_workers_die_with_a_killed_orchestrator():
             "async def main():\n"
             "    pool = ScorePool(functools.partial(CommandTask), workers=2, timeout_s=5, name='spt-orphan')\n"
             "    await pool.start()\n"
-            "    print(*pool.pids, flush=True)\n"
+            "    print(*pool.pids, pool.spare_pid, flush=True)\n"
             "    await anyio.sleep(600)\n"
             "anyio.run(main)\n")
     parent = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True,
@@ -283,7 +329,7 @@ async def test_workers_die_with_a_killed_orchestrator():
     try:
         line = await anyio.to_thread.run_sync(parent.stdout.readline)
         pids = [int(p) for p in line.split()]
-        assert len(pids) == 2 and all(_alive(p) for p in pids)
+        assert len(pids) == 3 and all(_alive(p) for p in pids)  # two workers and the spare
         parent.kill()  # no aclose, no atexit: only the parent-death signal and the pipes' EOF are left
         parent.wait()
         await _wait_for(lambda: not any(_alive(p) for p in pids), "the orphaned workers to die")
