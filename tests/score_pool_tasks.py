@@ -48,3 +48,8 @@ def config_error_builder():
 
 def crashing_builder():
     raise RuntimeError("the builder\nblew up")
+
+
+def big_builder(payload: bytes) -> CommandTask:
+    """A builder whose pickle is larger than a pipe holds (`payload`): its send to a worker waits."""
+    return CommandTask(float(len(payload) > 0))

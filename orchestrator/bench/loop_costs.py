@@ -4,13 +4,15 @@ Two figures beside `overhead_ratio_c64`, so that docs/architecture.md's account 
 cost is a command's output, not a one-off script's:
 
 * `cpu_us_per_rollout_by_thread` (in each `orchestrator_cN` row): the CPU time (each thread's
-  CPU-time clock, Linux) each Python thread of the process spent while the loop ran, over the rollouts
-  consumed, grouped by the thread's role: `loop` (the event loop's thread), `replay_writer` (the
-  replay log's writer: append, CRC, live statistics, metrics), `journal` (anyio's worker threads:
-  the dispatch journal's write and fsync), `scoring` (the scorer's threads), `other`. The
-  threads share one GIL, so where the loop saturates a core the wall time a rollout is about
-  their sum. A thread started during the run counts from its start; one that ended before the
-  run did is missing (anyio keeps its idle workers 10 s); off Linux the key is absent.
+  CPU-time clock, Linux) each Python thread of the process spent while the loop ran, over the
+  rollouts consumed, grouped by the thread's role: `loop` (the event loop's thread),
+  `replay_writer` (the replay log's writer: append, CRC, live statistics, metrics),
+  `anyio_threads` (anyio's worker threads: the dispatch journal's write and fsync, the recorder's
+  flush wait, any `to_thread`), `scoring` (the scorer's threads), `other`; and `process`, the
+  whole process's CPU. The threads share one GIL, so where the loop saturates a core the wall
+  time a rollout is about their sum. A thread started during the run counts from its start; one
+  that ended before the run did (anyio keeps its idle workers 10 s; the scorer ends a hung
+  call's thread) is only in `process`; off Linux the key is absent.
 * `loop_split_c64`: the same run with the fake engine's 500 tokens in one chunk instead of 32,
   for the loop and for the bare task group: `fixed_us_per_rollout` is what the loop spends on a
   rollout beyond the bare group's whatever its chunks (dispatch, the request's track, scoring,
@@ -24,18 +26,18 @@ import sys
 import threading
 import time
 
-_ROLES = (("MainThread", "loop"), ("replay-writer", "replay_writer"), ("AnyIO worker thread", "journal"),
+_ROLES = (("MainThread", "loop"), ("replay-writer", "replay_writer"), ("AnyIO worker thread", "anyio_threads"),
           ("inflight-score", "scoring"))
 
 
 def thread_cpu_s() -> dict[int, tuple[str, float]] | None:
-    """Each live thread's kernel id -> (its role, CPU seconds so far, to the nanosecond); None off
-    Linux. The clock is named by the kernel id (Linux's thread CPU-time clock, as glibc's
+    """Each live thread's kernel id -> (its role, CPU seconds so far, to the nanosecond), and 0 ->
+    ("process", the whole process's); None off Linux. The clock is named by the kernel id (Linux's thread CPU-time clock, as glibc's
     pthread_getcpuclockid makes it), not from a pthread handle, which is not safe to use once its
     thread has ended: a thread that ended meanwhile is an OSError here, and skipped."""
     if not sys.platform.startswith("linux"):
         return None
-    out: dict[int, tuple[str, float]] = {}
+    out: dict[int, tuple[str, float]] = {0: ("process", time.process_time())}  # no thread has id 0
     for thread in threading.enumerate():
         if thread.native_id is None:  # not started yet
             continue
@@ -77,10 +79,11 @@ async def loop_split(orchestrator_rate, bare_rate, rollouts: int, tokens: int, c
     bare_one = await bare_rate(concurrency, rollouts, chunk=tokens)
     chunks = -(-tokens // chunk)
     us = lambda row: 1e6 / row["rollouts_per_s"]  # noqa: E731 - wall µs a rollout
+    split = {"chunks_per_rollout": chunks,
+             "loop_us_per_rollout_one_chunk": us(one), "bare_us_per_rollout_one_chunk": us(bare_one),
+             "fixed_us_per_rollout": us(one) - us(bare_one)}
+    if chunks > 1:  # streamed in one chunk already: no cost a further chunk to tell
+        split["loop_us_per_chunk"] = (us(streamed) - us(one)) / (chunks - 1)
+        split["bare_us_per_chunk"] = (us(bare_streamed) - us(bare_one)) / (chunks - 1)
     return {f"orchestrator_c{concurrency}_one_chunk": one, f"bare_c{concurrency}_one_chunk": bare_one,
-            f"loop_split_c{concurrency}": {
-                "chunks_per_rollout": chunks,
-                "loop_us_per_rollout_one_chunk": us(one), "bare_us_per_rollout_one_chunk": us(bare_one),
-                "fixed_us_per_rollout": us(one) - us(bare_one),
-                "loop_us_per_chunk": (us(streamed) - us(one)) / (chunks - 1),
-                "bare_us_per_chunk": (us(bare_streamed) - us(bare_one)) / (chunks - 1)}}
+            f"loop_split_c{concurrency}": split}

@@ -77,8 +77,9 @@ class _Worker:
         return self.pending is not None
 
     async def send(self, payload: bytes, timeout_s: float):
-        """One message; None once written, or _DIED (the worker is gone), or _TIMEOUT (it did
-        not read it in time). One write, no wait, unless it is larger than the pipe holds."""
+        """One message; None once written, or _DIED (the worker is gone), _TIMEOUT (it did not
+        read it in time), _CLOSED (closed meanwhile). One write, no wait, unless it is larger than
+        the pipe holds."""
         data = memoryview(FRAME.pack(len(payload)) + payload)
         deadline = None
         while data:
@@ -87,7 +88,10 @@ class _Worker:
             except BlockingIOError:
                 deadline = deadline or self.loop.time() + timeout_s
                 with anyio.move_on_after(deadline - self.loop.time()):
-                    await anyio.wait_writable(self.job_fd)
+                    try:
+                        await anyio.wait_writable(self.job_fd)
+                    except anyio.ClosedResourceError:  # closed meanwhile (see close)
+                        return _CLOSED
                     continue
                 return _TIMEOUT
             except OSError:
@@ -144,6 +148,9 @@ class _Worker:
         self.closed = True
         if not self.eof:
             self.loop.remove_reader(self.answer_fd)
+        # A send still waiting to write (another task's) wakes (_CLOSED) before the number can
+        # name another pipe.
+        anyio.notify_closing(self.job_fd)
         os.close(self.job_fd)
         os.close(self.answer_fd)
         self._deliver(_CLOSED)
@@ -233,7 +240,7 @@ class ScorePool:
     @property
     def spare_answered(self) -> bool:
         """Whether the spare has said how its build went (its "ready", or its failure)."""
-        return self._spare is not None and bool(self._spare.unread)
+        return self._spare is not None and bool(self._spare.unread) and not self._spare.eof
 
     # -- calls -------------------------------------------------------------------------------------
     async def score(self, prompt, completion_token_ids: Sequence[int]) -> dict[str, float]:
@@ -277,6 +284,9 @@ class ScorePool:
         """The slot's worker, ready: a fresh one when it was killed or died while idle."""
         if self._dead:
             self._dead = [p for p in self._dead if p.poll() is None]  # reap what was killed meanwhile
+        if self._spare is not None and self._spare.eof:  # it died idle (its build failed, a kill): another
+            self._kill_now(None, self._spare)
+            await self._spare_again()
         worker = self._slots[slot]
         # EOF on its watched pipe: it died between calls (the OOM killer, a kill from outside).
         # Not ready: its start was cancelled half-way.
@@ -284,6 +294,8 @@ class ScorePool:
             await self._discard(slot, worker)
             worker = None
         if worker is None:
+            if self._closed:  # closed while this call waited for a slot: start nothing more
+                raise ScoreFailed(REWARD_ERROR, "the scoring pool is closed")
             deadline = time.monotonic() + self.start_timeout_s
             try:
                 worker = self._take_spare(slot) or await self._spawn(slot, deadline)
@@ -340,13 +352,24 @@ class ScorePool:
         finally:
             os.close(job_r)
             os.close(answer_w)
-        worker = _Worker(process, job_w, answer_r, self._loop)
+        try:
+            worker = _Worker(process, job_w, answer_r, self._loop)
+        except BaseException:
+            process.kill()
+            self._dead.append(process)
+            os.close(job_w)
+            os.close(answer_r)
+            raise
         if slot is None:  # aclose() sees it at once, wherever it is
             self._spare = worker
         else:
             self._slots[slot] = worker
-        # Not sent (it died at once, or never read): the handshake says so, with its exit code.
-        await worker.send(self._builder_bytes, max(0.0, deadline - time.monotonic()))
+        try:
+            # Not sent (it died at once, or never read): the handshake says so, with its exit code.
+            await worker.send(self._builder_bytes, max(0.0, deadline - time.monotonic()))
+        except BaseException:  # cancelled with part of its builder sent: it would wait for the rest
+            self._kill_now(slot, worker)
+            raise
         return worker
 
     async def _handshake(self, worker: _Worker, deadline: float) -> None:

@@ -42,6 +42,7 @@ def test_threads_are_named_by_their_role_and_their_cpu_grows():
         worker.join()
     assert first is not None and second is not None
     assert second[threading.main_thread().native_id][0] == "loop"
+    assert second[0][0] == "process" and second[0][1] >= second[worker.native_id][1]
     assert worker.native_id not in first
     assert second[worker.native_id][0] == "replay_writer"
     assert second[worker.native_id][1] > 0.0
@@ -60,6 +61,7 @@ async def test_the_loop_rows_name_the_threads_and_split_the_cost():
     streamed = await orchestrator_rate(16, 256)
     by_thread = streamed["cpu_us_per_rollout_by_thread"]
     assert by_thread["loop"] > 0 and by_thread["replay_writer"] > 0  # the writer wrote every record
+    assert by_thread["process"] >= by_thread["loop"] + by_thread["replay_writer"]
     bare = await bare_rate(16, 256)
     out = await loop_split(orchestrator_rate, bare_rate, 256, TOKENS, 16, streamed, bare, concurrency=16)
     split = out["loop_split_c16"]
@@ -68,3 +70,5 @@ async def test_the_loop_rows_name_the_threads_and_split_the_cost():
                           "loop_us_per_rollout_one_chunk", "bare_us_per_rollout_one_chunk"}
     assert out["orchestrator_c16_one_chunk"]["rollouts"] >= 256
     assert out["orchestrator_c16_one_chunk"]["records"] >= out["orchestrator_c16_one_chunk"]["rollouts"]
+    one = await loop_split(orchestrator_rate, bare_rate, 256, TOKENS, TOKENS, streamed, bare, concurrency=16)
+    assert "loop_us_per_chunk" not in one["loop_split_c16"]  # one chunk already: nothing a chunk to tell

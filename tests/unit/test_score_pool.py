@@ -16,7 +16,7 @@ import pytest
 from orchestrator.errors import ConfigError
 from orchestrator.scoring.pool import ScorePool
 from orchestrator.scoring.scorer import REWARD_ERROR, REWARD_TIMEOUT, ScoreFailed, Scorer, make_scorer
-from tests.score_pool_tasks import CommandTask, config_error_builder, crashing_builder
+from tests.score_pool_tasks import CommandTask, big_builder, config_error_builder, crashing_builder
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -178,6 +178,51 @@ async def test_a_spare_that_died_while_it_waited_is_not_used_and_no_spare_is_kep
         await plain.aclose()
 
 
+async def test_a_call_cancelled_while_the_next_spare_is_sent_its_builder_leaves_no_half_built_spare():
+    # The builder (300 kB) is larger than a pipe holds: sending it waits for the new process to read.
+    pool = ScorePool(functools.partial(big_builder, b"x" * 300_000), workers=1, timeout_s=30,
+                     name="spt-spare-cut", start_timeout_s=30)
+    await pool.start()
+    try:
+        await _wait_for(lambda: pool.spare_answered, "the spare to build its task")
+        first_spare = pool.spare_pid
+        with pytest.raises(ScoreFailed):
+            await pool.score({"do": "exit"}, [1])  # the slot's worker dies: the next call takes the spare
+        with anyio.move_on_after(0.01) as scope:  # ... and is cancelled while the next spare's builder is sent
+            await pool.score({"do": "sum"}, [1])
+        assert scope.cancelled_caught
+        # Neither the spare it took (a cancelled call kills its worker) nor a half-sent one is kept.
+        assert pool.spare_pid is None and pool.pids == []
+        await _wait_for(lambda: not _alive(first_spare), "the taken spare to die")
+        assert await pool.score({"do": "sum"}, [2]) == {"reward": 3.0, "count": 1.0}  # a fresh build, whole
+    finally:
+        await pool.aclose()
+    assert not _named("spt-spare-cut")
+
+
+async def test_a_call_that_waited_for_a_slot_starts_no_worker_once_the_pool_is_closed():
+    pool = _pool("spt-closed-wait")
+    await pool.start()
+    results: list[object] = []
+
+    async def call(prompt) -> None:
+        try:
+            results.append(await pool.score(prompt, [1]))
+        except ScoreFailed as exc:
+            results.append(exc.message)
+
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(call, {"do": "hang"})
+            await anyio.sleep(0.2)
+            tg.start_soon(call, {"do": "sum"})  # waits for the only slot
+            await anyio.sleep(0.1)
+            await pool.aclose()
+    assert sorted(map(str, results)) == ["the scoring pool is closed",
+                                         "the scoring pool was closed during the call"]
+    assert pool.pids == [] and pool.spare_pid is None and not _named("spt-closed-wait")
+
+
 async def test_a_worker_that_dies_mid_call_is_a_reward_error_and_is_replaced(tmp_path):
     pool = _pool("spt-die")
     await pool.start()
@@ -280,7 +325,7 @@ async def test_aclose_stops_every_worker_even_busy_or_cancelled():
 
     other = _pool("spt-close2", workers=2)
     await other.start()
-    pids = other.pids
+    pids = [*other.pids, other.spare_pid]
     with anyio.CancelScope() as scope:
         scope.cancel()
         await other.aclose()  # shielded: it still stops them
