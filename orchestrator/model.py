@@ -230,12 +230,19 @@ def ensure_model(path: str | os.PathLike, preset: str = "tiny", seed: int = 0) -
     for tiny-rl must never silently train a tiny model left behind by an earlier run.
     """
     p = Path(path)
-    if (p / "config.json").is_file():
-        if (p / BUILT_MARKER).exists():
-            _check_built_as(p, preset, seed)
-        return check_model_dir(p)
-    build_model(p, preset=preset, seed=seed)
-    return p
+    if not (p / "config.json").is_file():
+        try:
+            build_model(p, preset=preset, seed=seed)
+            return p
+        except ModelError:
+            # Another process built the same path meanwhile (two runs, or two test sessions, on a
+            # fresh checkout): its rename landed first and ours found the place taken. Theirs is
+            # used if it was built as asked (a build is a function of preset and seed).
+            if not (p / "config.json").is_file():
+                raise
+    if (p / BUILT_MARKER).exists():
+        _check_built_as(p, preset, seed)
+    return check_model_dir(p)
 
 
 def _check_built_as(path: Path, preset: str, seed: int) -> None:

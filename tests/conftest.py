@@ -27,22 +27,53 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The suite's order: the unit tests first, the multi-host scenario last. `make test` builds verifiers
 # 0.4's venv beside the suite (the Makefile), and on a fresh clone that build (a pip install, a
 # minute or two of both cores) ran beside the first tests: the cluster scenario, five hosts' engines
-# on two cores, took 479 s there against ~300 s alone (CI, 2026-12-05). The unit tests (~390 s)
-# lose only their share of the CPU to it. Within a directory the order is pytest's.
+# on two cores, took 479 s there against ~300 s alone (CI, 2026-12-05). Within a directory the order
+# is pytest's.
 _ORDER = ("unit", "integration", "reliability", "cluster")
+
+# The lanes (`--lane`, run side by side by `make test`: tests/lanes.py). The main lane holds every
+# test that starts a vLLM engine (marked `engine`, or asking for a fixture that starts one or a run
+# with one) and the multi-host tests (network namespaces, one scenario at a time); the light lane
+# the rest, run beside it at a lower priority: an engine's run leaves one of two cores idle about
+# half the time (measured: core 0 50% busy, core 1 87%, over three engine modules), which the
+# light lane's tests use. The light lane starts no engine: it never competes for core 0's worker.
+ENGINE_FIXTURES = frozenset({"inproc_engine", "server_engine", "run_server", "interrupted_run", "crash_resume_run"})
+
+
+def pytest_addoption(parser) -> None:
+    parser.addoption("--lane", choices=("all", "main", "light"), default="all",
+                     help="main: the tests that start an engine and the multi-host ones; light: the rest; "
+                          "all (the default): both, one after another")
+
+
+def in_main_lane(item, top: str) -> bool:
+    return (top == "cluster" or item.get_closest_marker("engine") is not None
+            or not ENGINE_FIXTURES.isdisjoint(item.fixturenames))
 
 
 def pytest_collection_modifyitems(session, config, items) -> None:
     tests = Path(__file__).resolve().parent
 
-    def rank(item) -> int:
+    def top_of(item) -> str:
         try:
-            top = Path(str(item.fspath)).resolve().relative_to(tests).parts[0]
+            return Path(str(item.fspath)).resolve().relative_to(tests).parts[0]
         except ValueError:
+            return ""
+
+    def rank(item) -> int:
+        top = top_of(item)
+        if not top:
             return len(_ORDER)
         return _ORDER.index(top) if top in _ORDER else len(_ORDER) - 1
 
     items.sort(key=rank)
+    lane = config.getoption("lane")
+    if lane != "all":
+        keep = [item for item in items if in_main_lane(item, top_of(item)) == (lane == "main")]
+        dropped = [item for item in items if in_main_lane(item, top_of(item)) != (lane == "main")]
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+        items[:] = keep
 
 
 @pytest.fixture(scope="session")

@@ -105,3 +105,39 @@ def test_tiny_lora_is_tiny_rl_with_a_four_times_wider_head(tmp_path):
             assert torch.allclose(b[name], 4 * a[name], rtol=1e-6, atol=0)
         else:
             assert torch.equal(a[name], b[name]), name
+
+
+def test_two_builders_of_one_path_at_once_both_get_the_model_the_second_one_refused_to_overwrite(tmp_path, monkeypatch):
+    """Two processes ensure the same model at once (two runs or two test sessions on a fresh
+    checkout): the one whose rename comes second finds the place taken and uses what the first
+    wrote, built as asked; one that finds another preset there still refuses it."""
+    import orchestrator.model as model
+
+    path = tmp_path / "m"
+    real = model._make_readable
+    first_wrote: list[bytes] = []
+
+    def the_other_builder_finishes_first(directory):
+        real(directory)
+        if not first_wrote:  # between this build's last file and its rename
+            first_wrote.append(b"")
+            build_model(path, preset="tiny", seed=4)
+            first_wrote[0] = (path / "model.safetensors").read_bytes()
+
+    monkeypatch.setattr(model, "_make_readable", the_other_builder_finishes_first)
+    assert ensure_model(path, preset="tiny", seed=4) == path
+    assert (path / "model.safetensors").read_bytes() == first_wrote[0]
+    assert [p.name for p in tmp_path.iterdir()] == ["m"]  # the loser's scratch directory is gone
+
+    other = tmp_path / "other"
+    first_wrote.clear()
+
+    def another_preset_lands_first(directory):
+        real(directory)
+        if not first_wrote:
+            first_wrote.append(b"")
+            build_model(other, preset="tiny-rl", seed=4)
+
+    monkeypatch.setattr(model, "_make_readable", another_preset_lands_first)
+    with pytest.raises(ModelError, match="tiny-rl"):
+        ensure_model(other, preset="tiny", seed=4)

@@ -1,0 +1,91 @@
+"""`make test`: the suite as two pytest sessions at once (`--lane`, tests/conftest.py). The main
+lane (every test that starts a vLLM engine, and the multi-host ones) runs in the foreground as a
+plain pytest would; the light lane (the rest: no engine) runs beside it at a lower CPU priority,
+its output kept in .test-lanes/light.log and printed when the main lane is done. On two cores an
+engine's run leaves one core idle about half the time; the light lane's tests use it and barely
+slow the main lane (docs/testing.md has the figures).
+
+    python -m tests.lanes [PYTEST ARGS...]   # both lanes; the arguments go to each
+    TEST_REPORTS=DIR python -m tests.lanes   # also a JUnit XML per lane: DIR/main.xml, DIR/light.xml
+
+The exit status is the main lane's if it failed, else the light lane's ("no tests collected" in one
+lane counts as passing when the other ran). Ctrl-C stops both (each pytest handles it as usual);
+SIGTERM is passed on to both.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LOGS = ROOT / ".test-lanes"
+LIGHT_NICENESS = 10  # at 10 the light lane gets ~10% of a core the main lane wants, all of an idle one
+NO_TESTS = 5  # pytest's exit status when a selection collects nothing
+
+
+def pytest_argv(lane: str, extra: list[str]) -> list[str]:
+    argv = [sys.executable, "-m", "pytest", f"--lane={lane}", *extra]
+    if reports := os.environ.get("TEST_REPORTS"):
+        Path(reports).mkdir(parents=True, exist_ok=True)
+        argv.append(f"--junitxml={Path(reports) / f'{lane}.xml'}")
+    if lane == "light":  # one session writes pytest's cache (last failures): two would overwrite each other
+        argv += ["-p", "no:cacheprovider"]
+    return argv
+
+
+def exit_status(main: int, light: int) -> int:
+    if main not in (0, NO_TESTS):
+        return main
+    if light not in (0, NO_TESTS):
+        return light
+    return NO_TESTS if main == light == NO_TESTS else 0
+
+
+def main(extra: list[str]) -> int:
+    LOGS.mkdir(exist_ok=True)
+    log_path = LOGS / "light.log"
+    started = time.monotonic()
+    with log_path.open("wb") as log:
+        light = subprocess.Popen(pytest_argv("light", extra), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                 preexec_fn=lambda: os.nice(LIGHT_NICENESS))
+    print(f"lanes: the light lane (tests that start no engine) runs beside this one at niceness "
+          f"{LIGHT_NICENESS}; its output goes to {log_path.relative_to(ROOT)} and is printed at the end", flush=True)
+    main_lane = subprocess.Popen(pytest_argv("main", extra), cwd=ROOT)
+    children = (main_lane, light)
+
+    def forward(signum, _frame) -> None:
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    codes, seconds = wait_for({"main": main_lane, "light": light}, started)
+    print(f"\n{'=' * 30} the light lane ({log_path.relative_to(ROOT)}) {'=' * 30}", flush=True)
+    sys.stdout.buffer.write(log_path.read_bytes())
+    print(f"lanes: main exit {codes['main']} after {seconds['main']:.0f} s, light exit {codes['light']} after "
+          f"{seconds['light']:.0f} s (both started together)", flush=True)
+    return exit_status(codes["main"], codes["light"])
+
+
+def wait_for(lanes: dict[str, subprocess.Popen], started: float) -> tuple[dict[str, int], dict[str, float]]:
+    """Each lane's exit status and the seconds it ran, once both are done."""
+    codes: dict[str, int] = {}
+    seconds: dict[str, float] = {}
+    while len(codes) < len(lanes):
+        try:
+            for name, child in lanes.items():
+                if name not in codes and (code := child.poll()) is not None:
+                    codes[name], seconds[name] = code, time.monotonic() - started
+            time.sleep(0.2)
+        except KeyboardInterrupt:  # the terminal's Ctrl-C reached the lanes too: each ends its own way
+            continue
+    return codes, seconds
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,58 @@
+"""`make test`'s two lanes (tests/lanes.py, `--lane` in tests/conftest.py): they split the suite
+with nothing run twice and nothing left out, every test that starts an engine in the main lane;
+the runner runs both, prints the light lane's output and exits with the status that counts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.lanes import NO_TESTS, exit_status
+
+ROOT = Path(__file__).resolve().parents[2]
+# A module of each kind: engine tests marked in the unit directory, a unit module with none, an
+# engine module under integration, a run fixture's user, the multi-host tests (no engine mark).
+SAMPLE = ["tests/unit/test_refit_families.py", "tests/unit/test_model_presets.py",
+          "tests/integration/test_run_misuse.py", "tests/integration/test_replay_analysis_run.py",
+          "tests/integration/test_trainer_process.py", "tests/cluster/test_hosts.py"]
+
+
+def collected(*args: str) -> list[str]:
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args],
+                         cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return [line for line in out.stdout.splitlines() if "::" in line]
+
+
+def test_the_lanes_split_the_suite_and_the_main_lane_has_every_engine_test():
+    everything = collected(*SAMPLE)
+    main, light = collected("--lane=main", *SAMPLE), collected("--lane=light", *SAMPLE)
+    assert sorted(main + light) == sorted(everything) and not set(main) & set(light)
+    assert {t.split("::")[0] for t in main} == {"tests/unit/test_refit_families.py", "tests/integration/test_run_misuse.py",
+                                                "tests/integration/test_replay_analysis_run.py", "tests/cluster/test_hosts.py"}
+    assert {t.split("::")[0] for t in light} == {"tests/unit/test_model_presets.py", "tests/unit/test_refit_families.py",
+                                                 "tests/integration/test_trainer_process.py"}
+
+
+def test_the_status_is_the_main_lanes_failure_then_the_light_lanes():
+    assert exit_status(0, 0) == 0
+    assert exit_status(1, 0) == 1 and exit_status(2, 1) == 2 and exit_status(0, 1) == 1
+    assert exit_status(NO_TESTS, 0) == 0 and exit_status(0, NO_TESTS) == 0  # a selection of one lane's tests
+    assert exit_status(NO_TESTS, 1) == 1 and exit_status(NO_TESTS, NO_TESTS) == NO_TESTS
+
+
+@pytest.mark.timeout(600)
+def test_the_runner_runs_both_lanes_and_prints_the_light_ones_output(tmp_path):
+    args = [sys.executable, "-m", "tests.lanes", "tests/unit/test_model_presets.py", "-k", "shapes"]
+    done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "TEST_REPORTS": str(tmp_path)})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "the light lane (.test-lanes/light.log)" in done.stdout
+    assert "1 passed" in done.stdout.split("the light lane (.test-lanes/light.log)")[1]
+    assert "lanes: main exit 5" in done.stdout and "light exit 0" in done.stdout
+    assert 'tests="1"' in (tmp_path / "light.xml").read_text()
+    nothing = subprocess.run(args[:-1] + ["no_test_has_this_name"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert nothing.returncode == NO_TESTS, nothing.stdout[-3000:]
