@@ -36,8 +36,20 @@ _ORDER = ("unit", "integration", "reliability", "cluster")
 # with one) and the multi-host tests (network namespaces, one scenario at a time); the light lane
 # the rest, run beside it at a lower priority: an engine's run leaves one of two cores idle about
 # half the time (measured: core 0 50% busy, core 1 87%, over three engine modules), which the
-# light lane's tests use. The light lane starts no engine: it never competes for core 0's worker.
+# light lane's tests use. Its tests start no engine, but for the `light_lane` modules below.
+# A light test can get as little as a tenth of a core while the main lane keeps both busy: one
+# whose pass needs seconds of CPU inside a short wall-clock bound (a process that starts and
+# imports its libraries, then answers within 8 s) is marked `wall_clock` and runs in the main lane.
+# The other way round, a module that starts engines of its own but passes at any pace (sync mode,
+# only loose bounds) is marked `light_lane`: it fills the idle core after the unit tests are done.
 ENGINE_FIXTURES = frozenset({"inproc_engine", "server_engine", "run_server", "interrupted_run", "crash_resume_run"})
+
+
+def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "wall_clock: needs seconds of CPU within a short wall-clock bound: "
+                                       "runs in the main lane, never starved beside it")
+    config.addinivalue_line("markers", "light_lane: starts engines of its own (no shared one) and passes at any "
+                                       "pace: runs in the light lane")
 
 
 def pytest_addoption(parser) -> None:
@@ -47,8 +59,11 @@ def pytest_addoption(parser) -> None:
 
 
 def in_main_lane(item, top: str) -> bool:
-    return (top == "cluster" or item.get_closest_marker("engine") is not None
-            or not ENGINE_FIXTURES.isdisjoint(item.fixturenames))
+    if top == "cluster" or item.get_closest_marker("wall_clock") is not None:
+        return True
+    if item.get_closest_marker("light_lane") is not None:
+        return False
+    return item.get_closest_marker("engine") is not None or not ENGINE_FIXTURES.isdisjoint(item.fixturenames)
 
 
 def pytest_collection_modifyitems(session, config, items) -> None:

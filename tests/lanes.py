@@ -1,9 +1,10 @@
 """`make test`: the suite as two pytest sessions at once (`--lane`, tests/conftest.py). The main
-lane (every test that starts a vLLM engine, and the multi-host ones) runs in the foreground as a
-plain pytest would; the light lane (the rest: no engine) runs beside it at a lower CPU priority,
-its output kept in .test-lanes/light.log and printed when the main lane is done. On two cores an
-engine's run leaves one core idle about half the time; the light lane's tests use it and barely
-slow the main lane (docs/testing.md has the figures).
+lane (the tests that start a vLLM engine, and the multi-host ones) runs in the foreground as a
+plain pytest would; the light lane (the rest, and engine modules marked `light_lane`: sync, loose
+bounds) runs beside it at a lower CPU priority, its output kept in .test-lanes/light.log and
+printed when the main lane is done. On two cores an engine's run leaves one core idle about half
+the time; the light lane's tests use it, slowing the main lane by about a tenth while they run
+(docs/testing.md has the figures).
 
     python -m tests.lanes [PYTEST ARGS...]   # both lanes; the arguments go to each
     TEST_REPORTS=DIR python -m tests.lanes   # also a JUnit XML per lane: DIR/main.xml, DIR/light.xml
@@ -23,7 +24,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LOGS = ROOT / ".test-lanes"
+# TEST_LANES_DIR: another place for the light lane's log (a runner started by a test of the runner
+# must not truncate the log its own light lane is writing).
+LOGS = Path(os.environ.get("TEST_LANES_DIR") or ROOT / ".test-lanes")
 LIGHT_NICENESS = 10  # at 10 the light lane gets ~10% of a core the main lane wants, all of an idle one
 NO_TESTS = 5  # pytest's exit status when a selection collects nothing
 
@@ -53,8 +56,8 @@ def main(extra: list[str]) -> int:
     with log_path.open("wb") as log:
         light = subprocess.Popen(pytest_argv("light", extra), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                                  preexec_fn=lambda: os.nice(LIGHT_NICENESS))
-    print(f"lanes: the light lane (tests that start no engine) runs beside this one at niceness "
-          f"{LIGHT_NICENESS}; its output goes to {log_path.relative_to(ROOT)} and is printed at the end", flush=True)
+    print(f"lanes: the light lane (tests that share no engine) runs beside this one at niceness "
+          f"{LIGHT_NICENESS}; its output goes to {shown(log_path)} and is printed at the end", flush=True)
     main_lane = subprocess.Popen(pytest_argv("main", extra), cwd=ROOT)
     children = (main_lane, light)
 
@@ -65,15 +68,20 @@ def main(extra: list[str]) -> int:
 
     signal.signal(signal.SIGTERM, forward)
     codes, seconds = wait_for({"main": main_lane, "light": light}, started)
-    print(f"\n{'=' * 30} the light lane ({log_path.relative_to(ROOT)}) {'=' * 30}", flush=True)
+    print(f"\n{'=' * 30} the light lane ({shown(log_path)}) {'=' * 30}", flush=True)
     sys.stdout.buffer.write(log_path.read_bytes())
     print(f"lanes: main exit {codes['main']} after {seconds['main']:.0f} s, light exit {codes['light']} after "
           f"{seconds['light']:.0f} s (both started together)", flush=True)
     return exit_status(codes["main"], codes["light"])
 
 
+def shown(path: Path) -> str:
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
 def wait_for(lanes: dict[str, subprocess.Popen], started: float) -> tuple[dict[str, int], dict[str, float]]:
-    """Each lane's exit status and the seconds it ran, once both are done."""
+    """Each lane's exit status and the seconds it ran, once both are done. A light lane that ends
+    first says so in one line (its output still comes at the end)."""
     codes: dict[str, int] = {}
     seconds: dict[str, float] = {}
     while len(codes) < len(lanes):
@@ -81,6 +89,8 @@ def wait_for(lanes: dict[str, subprocess.Popen], started: float) -> tuple[dict[s
             for name, child in lanes.items():
                 if name not in codes and (code := child.poll()) is not None:
                     codes[name], seconds[name] = code, time.monotonic() - started
+                    if name == "light" and "main" not in codes:
+                        print(f"\nlanes: the light lane ended: exit {code} after {seconds[name]:.0f} s", flush=True)
             time.sleep(0.2)
         except KeyboardInterrupt:  # the terminal's Ctrl-C reached the lanes too: each ends its own way
             continue

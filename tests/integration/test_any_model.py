@@ -26,7 +26,9 @@ from replay.log import read_records
 from replay.records import ActivationRecord, ConsumptionRecord, RolloutRecord, RunMetaRecord
 from tests.helpers import inflight_llm
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow]
+# Sync mode, its own engines, bounds of minutes: it holds on any schedule, so it runs in the light
+# lane beside the engine tests (tests/conftest.py).
+pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.light_lane]
 INFLIGHT = str(Path(sys.executable).with_name("inflight"))
 STEPS = 3
 ARCHS = ["qwen2", "llama"]

@@ -14,10 +14,13 @@ from tests.lanes import NO_TESTS, exit_status
 
 ROOT = Path(__file__).resolve().parents[2]
 # A module of each kind: engine tests marked in the unit directory, a unit module with none, an
-# engine module under integration, a run fixture's user, the multi-host tests (no engine mark).
+# engine module under integration, a run fixture's user, the multi-host tests (no engine mark), a
+# unit module with one `wall_clock` test, an engine module marked `light_lane`.
 SAMPLE = ["tests/unit/test_refit_families.py", "tests/unit/test_model_presets.py",
           "tests/integration/test_run_misuse.py", "tests/integration/test_replay_analysis_run.py",
-          "tests/integration/test_trainer_process.py", "tests/cluster/test_hosts.py"]
+          "tests/integration/test_trainer_process.py", "tests/cluster/test_hosts.py",
+          "tests/unit/test_verifiers04_task.py", "tests/integration/test_any_model.py"]
+WALL_CLOCK = "tests/unit/test_verifiers04_task.py::test_a_driver_that_dies_mid_episode_ends_it_named_and_the_next_episode_runs"
 
 
 def collected(*args: str) -> list[str]:
@@ -32,9 +35,12 @@ def test_the_lanes_split_the_suite_and_the_main_lane_has_every_engine_test():
     main, light = collected("--lane=main", *SAMPLE), collected("--lane=light", *SAMPLE)
     assert sorted(main + light) == sorted(everything) and not set(main) & set(light)
     assert {t.split("::")[0] for t in main} == {"tests/unit/test_refit_families.py", "tests/integration/test_run_misuse.py",
-                                                "tests/integration/test_replay_analysis_run.py", "tests/cluster/test_hosts.py"}
+                                                "tests/integration/test_replay_analysis_run.py", "tests/cluster/test_hosts.py",
+                                                "tests/unit/test_verifiers04_task.py"}
+    assert [t for t in main if t.startswith("tests/unit/test_verifiers04_task.py")] == [WALL_CLOCK]
     assert {t.split("::")[0] for t in light} == {"tests/unit/test_model_presets.py", "tests/unit/test_refit_families.py",
-                                                 "tests/integration/test_trainer_process.py"}
+                                                 "tests/integration/test_trainer_process.py",
+                                                 "tests/unit/test_verifiers04_task.py", "tests/integration/test_any_model.py"}
 
 
 def test_the_status_is_the_main_lanes_failure_then_the_light_lanes():
@@ -46,13 +52,18 @@ def test_the_status_is_the_main_lanes_failure_then_the_light_lanes():
 
 @pytest.mark.timeout(600)
 def test_the_runner_runs_both_lanes_and_prints_the_light_ones_output(tmp_path):
+    """Run inside `make test`'s own light lane: its log goes elsewhere (TEST_LANES_DIR), or it
+    would truncate the log that lane is writing."""
+    import os
+
     args = [sys.executable, "-m", "tests.lanes", "tests/unit/test_model_presets.py", "-k", "shapes"]
-    done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**__import__("os").environ, "TEST_REPORTS": str(tmp_path)})
+    env = {**os.environ, "TEST_REPORTS": str(tmp_path / "reports"), "TEST_LANES_DIR": str(tmp_path / "lanes")}
+    done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "the light lane (.test-lanes/light.log)" in done.stdout
-    assert "1 passed" in done.stdout.split("the light lane (.test-lanes/light.log)")[1]
+    banner = f"the light lane ({tmp_path / 'lanes' / 'light.log'})"
+    assert banner in done.stdout and "1 passed" in done.stdout.split(banner)[1]
     assert "lanes: main exit 5" in done.stdout and "light exit 0" in done.stdout
-    assert 'tests="1"' in (tmp_path / "light.xml").read_text()
-    nothing = subprocess.run(args[:-1] + ["no_test_has_this_name"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert 'tests="1"' in (tmp_path / "reports" / "light.xml").read_text()
+    nothing = subprocess.run(args[:-1] + ["no_test_has_this_name"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=300, env=env)
     assert nothing.returncode == NO_TESTS, nothing.stdout[-3000:]

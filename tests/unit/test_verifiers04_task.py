@@ -78,6 +78,7 @@ def test_through_the_run_a_remote_runtime_stops_it_at_start_naming_the_field(tmp
     assert "task.args.runtime" in last and "E2B" in last and "Traceback" not in done.stderr
 
 
+@pytest.mark.wall_clock  # a restarted driver (a process importing verifiers) answers within timeout_s = 8
 async def test_a_driver_that_dies_mid_episode_ends_it_named_and_the_next_episode_runs(
         verifiers04_python, tiny_model_dir, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
