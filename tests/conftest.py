@@ -31,7 +31,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # is pytest's.
 _ORDER = ("unit", "integration", "reliability", "cluster")
 
-# The lanes (`--lane`, run side by side by `make test`: tests/lanes.py). The main lane holds every
+# The lanes (`--lane`, run side by side by `python -m tests.lanes`; `make test` runs one session
+# with both, docs/testing.md says why). The main lane holds every
 # test that starts a vLLM engine (marked `engine`, or asking for a fixture that starts one or a run
 # with one) and the multi-host tests (network namespaces, one scenario at a time); the light lane
 # the rest, run beside it at a lower priority: an engine's run leaves one of two cores idle about

@@ -1,10 +1,10 @@
-"""`make test`: the suite as two pytest sessions at once (`--lane`, tests/conftest.py). The main
-lane (the tests that start a vLLM engine, and the multi-host ones) runs in the foreground as a
-plain pytest would; the light lane (the rest, and engine modules marked `light_lane`: sync, loose
-bounds) runs beside it at a lower CPU priority, its output kept in .test-lanes/light.log and
-printed when the main lane is done. On two cores an engine's run leaves one core idle about half
-the time; the light lane's tests use it, slowing the main lane by about a tenth while they run
-(docs/testing.md has the figures).
+"""The suite as two pytest sessions at once (`--lane`, tests/conftest.py), by hand: not yet what
+`make test` and CI run (docs/testing.md says why). The main lane (the tests that start a vLLM
+engine, and the multi-host ones) runs in the foreground as a plain pytest would; the light lane
+(the rest, and engine modules marked `light_lane`: sync, loose bounds) runs beside it at a lower
+CPU priority, its output kept in .test-lanes/light.log and printed when the main lane is done. On
+two cores an engine's run leaves one core idle about half the time; the light lane's tests use it,
+slowing the main lane by about a tenth while they run.
 
     python -m tests.lanes [PYTEST ARGS...]   # both lanes; the arguments go to each
     TEST_REPORTS=DIR python -m tests.lanes   # also a JUnit XML per lane: DIR/main.xml, DIR/light.xml
