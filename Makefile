@@ -81,11 +81,12 @@ verifiers-venv: $(VF04_STAMP)
 # then the suite, its log in .venv-verifiers.build.log; the tests that need it wait for it, or build
 # it themselves (and fail, naming why) if that build failed. It starts first because on a fresh
 # clone it then overlaps the run's venv install rather than the first tests (the suite's order:
-# tests/conftest.py). The exit status is the install's or the suite's. (`python -m tests.lanes` runs
-# the suite as two sessions at once: faster, not yet what CI runs; docs/testing.md.)
+# tests/conftest.py). The suite runs as two pytest sessions at once (tests/lanes.py): the main lane
+# in the foreground, the light one (the modules marked `light_lane`) beside it at a lower priority,
+# its output printed at the end; docs/testing.md. The exit status is the install's or the suite's.
 test:
 	@$(MAKE) --no-print-directory verifiers-venv > .venv-verifiers.build.log 2>&1 & \
-	$(MAKE) --no-print-directory $(JAX_STAMP) && $(PY) -m pytest; status=$$?; wait; exit $$status
+	$(MAKE) --no-print-directory $(JAX_STAMP) && $(PY) -m tests.lanes; status=$$?; wait; exit $$status
 
 bench: $(STAMP)
 	$(VENV)/bin/inflight bench replay

@@ -31,40 +31,39 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # is pytest's.
 _ORDER = ("unit", "integration", "reliability", "cluster")
 
-# The lanes (`--lane`, run side by side by `python -m tests.lanes`; `make test` runs one session
-# with both, docs/testing.md says why). The main lane holds every
-# test that starts a vLLM engine (marked `engine`, or asking for a fixture that starts one or a run
-# with one) and the multi-host tests (network namespaces, one scenario at a time); the light lane
-# the rest, run beside it at a lower priority: an engine's run leaves one of two cores idle about
-# half the time (measured: core 0 50% busy, core 1 87%, over three engine modules), which the
-# light lane's tests use. Its tests start no engine, but for the `light_lane` modules below.
-# A light test can get as little as a tenth of a core while the main lane keeps both busy: one
-# whose pass needs seconds of CPU inside a short wall-clock bound (a process that starts and
-# imports its libraries, then answers within 8 s) is marked `wall_clock` and runs in the main lane.
-# The other way round, a module that starts engines of its own but passes at any pace (sync mode,
-# only loose bounds) is marked `light_lane`: it fills the idle core after the unit tests are done.
+# The lanes (`--lane`, run side by side by `make test` through tests/lanes.py; plain `pytest`
+# runs one session with both, in the order above). The light lane runs at a lower priority beside
+# the main one: an engine's run leaves one of two cores idle about half the time (measured: core 0
+# 50% busy, core 1 87%, over three engine modules), and the light lane's tests use it. But a light
+# test can get as little as a tenth of a core while the main lane keeps both busy, so the light
+# lane holds only what passes at any pace: modules marked `light_lane`, each read for bounds first
+# (no wall-clock bound on real work but pytest-timeout's minutes; two lane runs of 2026-12-06 each
+# failed a different test that had one, when every test that started no engine was light). All
+# else is main: an unmarked module, a test marked `wall_clock` (a bound of seconds inside a
+# light_lane module), one that asks for an engine the session shares (the main session holds those
+# engines), and the multi-host tests.
 ENGINE_FIXTURES = frozenset({"inproc_engine", "server_engine", "run_server", "interrupted_run", "crash_resume_run"})
 
 
 def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "wall_clock: needs seconds of CPU within a short wall-clock bound: "
                                        "runs in the main lane, never starved beside it")
-    config.addinivalue_line("markers", "light_lane: starts engines of its own (no shared one) and passes at any "
-                                       "pace: runs in the light lane")
+    config.addinivalue_line("markers", "light_lane: passes at any pace (no wall-clock bound on real work but "
+                                       "pytest-timeout's): runs in the light lane, beside the main one")
 
 
 def pytest_addoption(parser) -> None:
     parser.addoption("--lane", choices=("all", "main", "light"), default="all",
-                     help="main: the tests that start an engine and the multi-host ones; light: the rest; "
-                          "all (the default): both, one after another")
+                     help="light: the modules marked light_lane (but their wall_clock tests and those using a "
+                          "shared engine); main: the rest; all (plain pytest): both, one after another")
 
 
 def in_main_lane(item, top: str) -> bool:
     if top == "cluster" or item.get_closest_marker("wall_clock") is not None:
         return True
-    if item.get_closest_marker("light_lane") is not None:
-        return False
-    return item.get_closest_marker("engine") is not None or not ENGINE_FIXTURES.isdisjoint(item.fixturenames)
+    if not ENGINE_FIXTURES.isdisjoint(item.fixturenames):
+        return True
+    return item.get_closest_marker("light_lane") is None
 
 
 def pytest_collection_modifyitems(session, config, items) -> None:

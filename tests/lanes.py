@@ -1,10 +1,10 @@
-"""The suite as two pytest sessions at once (`--lane`, tests/conftest.py), by hand: not yet what
-`make test` and CI run (docs/testing.md says why). The main lane (the tests that start a vLLM
-engine, and the multi-host ones) runs in the foreground as a plain pytest would; the light lane
-(the rest, and engine modules marked `light_lane`: sync, loose bounds) runs beside it at a lower
-CPU priority, its output kept in .test-lanes/light.log and printed when the main lane is done. On
-two cores an engine's run leaves one core idle about half the time; the light lane's tests use it,
-slowing the main lane by about a tenth while they run.
+"""The suite as two pytest sessions at once (`--lane`, tests/conftest.py): what `make test` and CI
+run. The main lane (every module not marked `light_lane`: the engine tests, the multi-host ones,
+anything with a wall-clock bound) runs in the foreground as a plain pytest would; the light lane
+(the modules marked `light_lane`: they pass at any pace) runs beside it at a lower CPU priority,
+its output kept in .test-lanes/light.log and printed when the main lane is done. On two cores an
+engine's run leaves one core idle about half the time; the light lane's tests use it, slowing the
+main lane by about a tenth while they run. docs/testing.md.
 
     python -m tests.lanes [PYTEST ARGS...]   # both lanes; the arguments go to each
     TEST_REPORTS=DIR python -m tests.lanes   # also a JUnit XML per lane: DIR/main.xml, DIR/light.xml
@@ -56,7 +56,7 @@ def main(extra: list[str]) -> int:
     with log_path.open("wb") as log:
         light = subprocess.Popen(pytest_argv("light", extra), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                                  preexec_fn=lambda: os.nice(LIGHT_NICENESS))
-    print(f"lanes: the light lane (tests that share no engine) runs beside this one at niceness "
+    print(f"lanes: the light lane (the modules marked light_lane) runs beside this one at niceness "
           f"{LIGHT_NICENESS}; its output goes to {shown(log_path)} and is printed at the end", flush=True)
     main_lane = subprocess.Popen(pytest_argv("main", extra), cwd=ROOT)
     children = (main_lane, light)

@@ -32,9 +32,11 @@ from tests.integration.test_run import INFLIGHT, health, kill_group, start, wait
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 # The time a drain is allowed (vLLM's shutdown timeout on SIGTERM, `fleet.drain_s`), not a speed:
-# a drain ends as soon as its requests do. Up to 128 requests in flight on a 16-seat engine, 48
-# tokens each: 60 s was not enough twice on a slower VM (2026-12-06: vLLM force-killed the engine
-# core at 60 s with the drain unfinished, and the rollouts left errored).
+# a drain ends as soon as its requests do. With 128 requests in flight on a 16-seat engine, 48
+# tokens each, 60 s was not enough twice on a slower VM (2026-12-06: vLLM force-killed the engine
+# core at 60 s with the drain unfinished, and the rollouts left errored). The run now keeps at most
+# 48 in flight (`scheduler.max_inflight`): three seatings of both engines, every drain still has
+# requests waiting for a seat, and each takes a third of the time.
 DRAIN_S = 180
 
 
@@ -105,6 +107,8 @@ kind = "server"
 max_num_seqs = 16
 [sampling]
 max_tokens = 48
+[scheduler]
+max_inflight = 48
 [fleet]
 min_engines = 2
 probe_s = 1.0

@@ -5,8 +5,12 @@ what it was asked to."""
 
 from __future__ import annotations
 
+import pytest
+
 from orchestrator.bench.multi_turn import TURNS, multi_turn_overhead
 from orchestrator.bench.orchestrator import BenchRun, orchestrator_rate
+
+pytestmark = pytest.mark.light_lane  # passes at any pace: the light lane (tests/conftest.py)
 
 # The tiny-rl tokenizer, built for the session (`rl_model`, tests/conftest.py): never the
 # checkout's models/tiny-rl, which only `make run` builds (a fresh clone's suite has none).

@@ -16,7 +16,7 @@ from orchestrator.tasks.turns import TurnRenderer
 
 MODEL = Path(__file__).resolve().parents[2] / "models" / "tiny-rl"
 
-pytestmark = pytest.mark.usefixtures("checkout_rl_model")
+pytestmark = [pytest.mark.usefixtures("checkout_rl_model"), pytest.mark.light_lane]
 
 
 def tiny_rl(**added):

@@ -8,6 +8,8 @@ from orchestrator.config.run import ActivationConfig, load_config
 from orchestrator.errors import ConfigError
 from orchestrator.fleet.fleet import Fleet
 
+pytestmark = pytest.mark.light_lane  # passes at any pace: the light lane (tests/conftest.py)
+
 
 def write(tmp_path, text: str):
     path = tmp_path / "run.toml"

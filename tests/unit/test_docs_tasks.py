@@ -18,7 +18,7 @@ from orchestrator.tasks import make_task
 from orchestrator.tasks.entrypoint import search_path
 from tests.doc_snippets import snippets, write_snippets
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.light_lane]
 
 
 @pytest.fixture(autouse=True)
@@ -180,6 +180,8 @@ async def test_epochs_shuffle_and_skipped_rows(tmp_path, tiny_model_dir, tokeniz
         await task.prompt(8)
 
 
+# wall_clock: the raising reward must be scored as an error within score_timeout_s = 0.5 s.
+@pytest.mark.wall_clock
 async def test_a_reward_that_raises_or_hangs_is_named_and_bounded(tmp_path, tiny_model_dir, tokenizer):
     (tmp_path / "bad_rewards.py").write_text(
         "import time\n"

@@ -20,6 +20,8 @@ from replay.log import FsyncPolicy, ReplayLog
 from replay.records import RolloutRecord, RunMetaRecord, SamplingSettings, Timings
 from tests.unit.sample_helpers import sample_tokens
 
+pytestmark = pytest.mark.light_lane  # passes at any pace: the light lane (tests/conftest.py)
+
 NAN = float("nan")
 
 

@@ -21,7 +21,7 @@ from orchestrator.config.run import EngineConfig, RunConfig, TransportConfig
 from orchestrator.errors import ConfigError, ModelError
 from orchestrator.commands.export_model import available_versions, export_model, read_run, resolve_version
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.light_lane]
 RUN_ID = "0123abcd4567"
 
 

@@ -12,6 +12,9 @@ import re
 from pathlib import Path
 
 from tests.unit.import_scan import find_cycles, imports_of
+import pytest
+
+pytestmark = pytest.mark.light_lane  # passes at any pace: the light lane (tests/conftest.py)
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("orchestrator", "replay", "transports")

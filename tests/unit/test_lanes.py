@@ -1,5 +1,6 @@
 """`make test`'s two lanes (tests/lanes.py, `--lane` in tests/conftest.py): they split the suite
-with nothing run twice and nothing left out, every test that starts an engine in the main lane;
+with nothing run twice and nothing left out, the light lane holding only the modules marked
+`light_lane` (less their `wall_clock` tests and any that asks for a shared engine);
 the runner runs both, prints the light lane's output and exits with the status that counts."""
 
 from __future__ import annotations
@@ -12,15 +13,18 @@ import pytest
 
 from tests.lanes import NO_TESTS, exit_status
 
+pytestmark = pytest.mark.light_lane  # passes at any pace: the light lane (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[2]
-# A module of each kind: engine tests marked in the unit directory, a unit module with none, an
-# engine module under integration, a run fixture's user, the multi-host tests (no engine mark), a
-# unit module with one `wall_clock` test, an engine module marked `light_lane`.
+# A module of each kind: an unmarked unit module with engine tests, a `light_lane` unit module, an
+# engine module under integration, a run fixture's user, an unmarked module that starts no engine,
+# the multi-host tests, a `light_lane` module with one `wall_clock` test, an engine module marked
+# `light_lane` (its own engines, sync mode).
 SAMPLE = ["tests/unit/test_refit_families.py", "tests/unit/test_model_presets.py",
           "tests/integration/test_run_misuse.py", "tests/integration/test_replay_analysis_run.py",
           "tests/integration/test_trainer_process.py", "tests/cluster/test_hosts.py",
-          "tests/unit/test_verifiers04_task.py", "tests/integration/test_any_model.py"]
-WALL_CLOCK = "tests/unit/test_verifiers04_task.py::test_a_driver_that_dies_mid_episode_ends_it_named_and_the_next_episode_runs"
+          "tests/unit/test_docs_tasks.py", "tests/integration/test_any_model.py"]
+WALL_CLOCK = "tests/unit/test_docs_tasks.py::test_a_reward_that_raises_or_hangs_is_named_and_bounded"
 
 
 def collected(*args: str) -> list[str]:
@@ -30,17 +34,31 @@ def collected(*args: str) -> list[str]:
     return [line for line in out.stdout.splitlines() if "::" in line]
 
 
-def test_the_lanes_split_the_suite_and_the_main_lane_has_every_engine_test():
+def test_the_lanes_split_the_suite_and_the_light_lane_has_only_its_marked_modules():
     everything = collected(*SAMPLE)
     main, light = collected("--lane=main", *SAMPLE), collected("--lane=light", *SAMPLE)
     assert sorted(main + light) == sorted(everything) and not set(main) & set(light)
     assert {t.split("::")[0] for t in main} == {"tests/unit/test_refit_families.py", "tests/integration/test_run_misuse.py",
                                                 "tests/integration/test_replay_analysis_run.py", "tests/cluster/test_hosts.py",
-                                                "tests/unit/test_verifiers04_task.py"}
-    assert [t for t in main if t.startswith("tests/unit/test_verifiers04_task.py")] == [WALL_CLOCK]
-    assert {t.split("::")[0] for t in light} == {"tests/unit/test_model_presets.py", "tests/unit/test_refit_families.py",
-                                                 "tests/integration/test_trainer_process.py",
-                                                 "tests/unit/test_verifiers04_task.py", "tests/integration/test_any_model.py"}
+                                                "tests/integration/test_trainer_process.py", "tests/unit/test_docs_tasks.py"}
+    assert [t for t in main if t.startswith("tests/unit/test_docs_tasks.py")] == [WALL_CLOCK]
+    assert {t.split("::")[0] for t in light} == {"tests/unit/test_model_presets.py", "tests/unit/test_docs_tasks.py",
+                                                 "tests/integration/test_any_model.py"}
+
+
+def test_a_light_lane_test_that_asks_for_a_shared_engine_runs_in_the_main_lane():
+    from types import SimpleNamespace
+
+    from tests.conftest import in_main_lane
+
+    def item(marks: set[str], fixtures: list[str]):
+        return SimpleNamespace(fixturenames=fixtures, get_closest_marker=lambda name: name if name in marks else None)
+
+    assert not in_main_lane(item({"light_lane"}, ["tmp_path"]), "unit")
+    assert in_main_lane(item({"light_lane"}, ["tmp_path", "server_engine"]), "unit")
+    assert in_main_lane(item({"light_lane", "wall_clock"}, []), "unit")
+    assert in_main_lane(item({"light_lane"}, []), "cluster")
+    assert in_main_lane(item({"engine"}, []), "integration") and in_main_lane(item(set(), []), "unit")
 
 
 def test_the_status_is_the_main_lanes_failure_then_the_light_lanes():

@@ -29,7 +29,7 @@ from replay.log import FsyncPolicy, ReplayLog, read_records
 from replay.records import ActivationRecord, EngineActivation, RolloutRecord, RunMetaRecord, SamplingSettings, Timings
 from tests.unit.sample_helpers import sample_tokens
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.light_lane]
 RUN_ID = "10ra0000beef"
 RANK, ALPHA, TARGETS = 8, 16, ["q_proj", "v_proj"]
 COMPLETION = 12

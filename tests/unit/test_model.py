@@ -10,7 +10,7 @@ from orchestrator.commands.cli import main
 from orchestrator.errors import ConfigError, ModelError
 from orchestrator.model import build_model, check_model_dir
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.light_lane]
 
 
 def test_same_seed_gives_identical_weight_files_and_another_seed_different(tmp_path, capsys):

@@ -12,7 +12,7 @@ import pytest
 from orchestrator.errors import ModelError
 from orchestrator.model import PRESETS, build_model, ensure_model
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.light_lane]
 
 
 def test_tiny_rl_has_tinys_shapes_and_a_narrower_init():

@@ -11,7 +11,7 @@ import pytest
 from orchestrator.errors import ConfigError
 from orchestrator.tasks.reasoning_gym import ReasoningGymTask, make
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.light_lane]
 
 SIZE = 25
 

@@ -25,7 +25,7 @@ from orchestrator.trainer.jax_nnx import (
 )
 from transports.errors import MissingTensorError, RefitMismatchError
 
-pytestmark = [pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.timeout(120), pytest.mark.light_lane]
 
 
 def hf_qwen2(tie: bool, seed: int = 0):

@@ -39,7 +39,7 @@ from tests.helpers import load_safetensors_dir
 
 # Building the model and sampling the log takes a minute or two on a shared CPU, inside the
 # timeout of whichever test runs first.
-pytestmark = [pytest.mark.slow]
+pytestmark = [pytest.mark.slow, pytest.mark.light_lane]
 VERSIONS = 5  # 0..4
 PER_VERSION = 8
 COMPLETION = 24

@@ -24,6 +24,8 @@ from replay.records import (
     Timings,
 )
 
+pytestmark = pytest.mark.light_lane  # passes at any pace: the light lane (tests/conftest.py)
+
 IDENTITY = PolicyIdentity("ckpt", "tok", "tmpl", "bf16")
 
 

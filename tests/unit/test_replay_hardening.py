@@ -22,6 +22,8 @@ from tests.unit.test_replay_cli import run_cli
 from tests.unit.test_replay_log import rollout, write_log
 from tests.unit.test_replay_query import generate_log
 
+pytestmark = pytest.mark.light_lane  # passes at any pace: the light lane (tests/conftest.py)
+
 REPO = Path(__file__).resolve().parents[2]
 
 

@@ -38,6 +38,8 @@ from replay.records import (
     Timings,
 )
 
+pytestmark = pytest.mark.light_lane  # passes at any pace: the light lane (tests/conftest.py)
+
 IDENTITY = PolicyIdentity("ckpt", "tok-hash", "tmpl-hash", "bf16")
 
 

@@ -14,6 +14,8 @@ from replay.query import SIDECAR_SUFFIX, Filters, fromlog, stats_from_log
 from tests.unit.test_replay_log import rollout
 from tests.unit.test_replay_query import generate_log
 
+pytestmark = pytest.mark.light_lane  # passes at any pace: the light lane (tests/conftest.py)
+
 
 @pytest.fixture
 def run_dir(tmp_path) -> Path:

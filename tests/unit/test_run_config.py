@@ -12,6 +12,8 @@ import pytest
 
 from orchestrator.config.run import RunConfig, load_config
 
+pytestmark = pytest.mark.light_lane  # passes at any pace: the light lane (tests/conftest.py)
+
 EXAMPLES = Path(__file__).parents[2] / "examples"
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from orchestrator.bench.orchestrator import soak
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.light_lane]
 
 
 async def test_a_2000_step_soak_holds_nothing_per_rollout_and_memory_stays_flat():

@@ -24,6 +24,8 @@ from orchestrator.trainer.publish import compare_with_files
 from tests.unit.test_trainer_lora import _trainer
 from transports.filesystem import published_versions, version_dir
 
+pytestmark = pytest.mark.light_lane  # passes at any pace: the light lane (tests/conftest.py)
+
 STEPS = 5
 
 

@@ -15,6 +15,8 @@ from orchestrator.tasks.agent_endpoint import EPISODE_HEADER
 from orchestrator.tasks.turns import TurnRenderer
 from tests.agent_helpers import LOGPROB, TOKEN, Script, served_checking_defaults, user
 
+pytestmark = pytest.mark.light_lane  # passes at any pace: the light lane (tests/conftest.py)
+
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 

@@ -6,8 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 from orchestrator.config.run import RunConfig, RunSection, WandbConfig
 from orchestrator.observe.tracking import Tracking
+
+pytestmark = pytest.mark.light_lane  # passes at any pace: the light lane (tests/conftest.py)
 
 
 def test_wandb_offline_and_tensorboard_get_the_field_names(tmp_path: Path, monkeypatch):

@@ -27,7 +27,7 @@ from orchestrator.trainer.link import Batch, Sample, StepDone, pack_f32, pack_i3
 from orchestrator.trainer.loss import PackedBatch, completion_logprobs, logprob_path
 from orchestrator.trainer.step import micro_batches, train_step
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.light_lane]
 
 REPO = Path(__file__).resolve().parents[2]
 # Prompt and completion lengths of the test batch: every sample a different length, one

@@ -13,6 +13,8 @@ from orchestrator.config.run import TrainerConfig
 from orchestrator.trainer.link import Sample, pack_f32, pack_i32
 from orchestrator.trainer.step import train_step
 
+pytestmark = pytest.mark.light_lane  # passes at any pace: the light lane (tests/conftest.py)
+
 NAN = float("nan")
 
 

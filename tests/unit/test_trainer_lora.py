@@ -34,7 +34,7 @@ from transports.adapters import (
 )
 from transports.errors import AdapterError, describe_error, rebuild_error
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.light_lane]
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 RANK, ALPHA = 4, 8.0

@@ -18,7 +18,7 @@ from orchestrator.trainer.loss import (
     policy_loss,
 )
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.light_lane]
 
 
 def test_group_advantages_centre_and_scale_within_each_group():

@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.light_lane  # passes at any pace: the light lane (tests/conftest.py)
+
 CODE = """
 import json, os, sys, torch
 from orchestrator.config.run import TrainerConfig

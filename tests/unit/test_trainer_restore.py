@@ -16,6 +16,8 @@ from orchestrator.trainer.publish import compare_with_files
 from tests.unit.test_step_journal import _assert_same_state, _config, _copy_run, _state, batches, straight  # noqa: F401
 from transports.filesystem import version_dir
 
+pytestmark = pytest.mark.light_lane  # passes at any pace: the light lane (tests/conftest.py)
+
 
 def test_replayed_weights_that_differ_give_way_to_the_published_ones(straight, tiny_model_dir, tmp_path,  # noqa: F811
                                                                      monkeypatch):

@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 
 from tests.helpers import free_port
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.light_lane]
 
 
 _free_port = free_port
