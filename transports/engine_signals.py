@@ -21,11 +21,14 @@ parent exists) whose environment carries ENGINE_CHILD_ENV, which `inflight run` 
 starts its engines; any other vLLM use (`inflight generate`, a test's engine, a user's own
 `vllm serve` in this environment) is left alone.
 
-With DIE_WITH_PARENT_ENV (set for the servers a Ray actor owns on another host,
-`orchestrator.cluster.ray_engines`) each such child also gets a parent-death signal: the engine core
-dies with the API server, the worker with the engine core. There no watchdog of ours outlives the
-actor (Ray kills a dead worker's children, the watchdog among them, but not its grandchildren): the
-chain of parent-death signals is what ends the whole server when its actor goes.
+With DIE_WITH_PARENT_ENV (set for every server inflight starts: `ServerEngine` on this host, a Ray
+actor's on another, `orchestrator.cluster.ray_engines`) each such child also gets a parent-death
+signal: the engine core dies with the API server, the worker with the engine core. On another host
+no watchdog of ours outlives the actor (Ray kills a dead worker's children, the watchdog among them,
+but not its grandchildren): the chain of parent-death signals is what ends the whole server when
+its actor goes. On this one it is what ends a server's engine core and worker when the API server is
+killed outright and nobody stops its group (a test session interrupted while a server of its own
+started: the engine core and worker lived on, reparented to init, before the chain was set here).
 """
 
 from __future__ import annotations

@@ -6,11 +6,11 @@ distribution does not start), with its engine core and worker forked rather than
 halves the start-up (`start_method = "spawn"` runs vLLM's entry as it is). They run in dev mode
 (`VLLM_SERVER_DEV_MODE=1`: pause, weight-transfer, collective_rpc and cache endpoints) with
 `--enable-scale-out` (token-in, token-out `/inference/v1/generate` that streams per-token
-logprobs and weight versions). The
-server and its engine-core children run in their own process group, so shutdown leaves no
-process behind; the server dies with the orchestrator (a parent-death signal; its engine core
-by the run's watchdog, `orchestrator.reaper`). Its output goes to a log file whose tail is
-shown when start-up fails.
+logprobs and weight versions). The server and its engine-core children run in their own
+process group, so shutdown (or a failed or cancelled start) leaves no process behind; the server
+dies with the orchestrator, its engine core with it and its worker with the engine core (parent-
+death signals; the run's watchdog too, `orchestrator.reaper`). Its log's tail is shown when
+start-up fails.
 
 An attached server (`url`) serves whatever its last client left. With the swap extension named
 (`worker_extension_cls`, as every `inflight run` engine is) it is reset at start to the base
@@ -58,6 +58,7 @@ from orchestrator.errors import (
 from orchestrator.model import check_model_dir
 from orchestrator.observe.logging import get_logger
 from orchestrator.reaper import die_with_parent
+from transports.engine_signals import DIE_WITH_PARENT_ENV, ENGINE_CHILD_ENV
 
 log = get_logger(__name__)
 # vLLM prefixes the ids of /inference/v1/generate requests; aborts need the engine-side id.
@@ -158,13 +159,21 @@ class ServerEngine(Engine):
         self._log_dir = Path(log_dir) if log_dir else None
         self._client: httpx.AsyncClient | None = None
         self._dead = False
+        self._stop_grace_s = 15.0  # SIGTERM to SIGKILL for its group: vLLM's own shutdown, drains included
         self.adapter_staged_at: dict[str, float] = {}  # adapter name -> when its staging was seen done
 
     # -- life cycle -------------------------------------------------------------------------
     async def start(self) -> None:
         if self._client is not None:
             return
-        launched = self.url is None
+        try:
+            await self._start(launched=self.url is None)
+        except BaseException:  # failed or cancelled (a Ctrl-C while it imports vLLM): no server left
+            if self.process is not None and not self._dead:
+                await self._abandon_start()
+            raise
+
+    async def _start(self, launched: bool) -> None:
         if launched:
             await self._launch()
         self._client = httpx.AsyncClient(
@@ -204,7 +213,8 @@ class ServerEngine(Engine):
         log_dir = self._log_dir or Path(tempfile.mkdtemp(prefix="inflight-engine-"))
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"{self.engine_id}.log"
-        env = server_env(self.config)
+        # Its engine core and worker die with it (transports.engine_signals), nobody left to stop them.
+        env = {**server_env(self.config), ENGINE_CHILD_ENV: "1", DIE_WITH_PARENT_ENV: "1"}
         with open(self.log_path, "ab") as log_file:
             # Its own session: the whole tree (api server, engine core, worker) is one group.
             self.process = subprocess.Popen(
@@ -289,6 +299,7 @@ class ServerEngine(Engine):
 
     async def _abandon_start(self) -> None:
         self._dead = True
+        self._stop_grace_s = 3.0  # a server that never served has nothing to drain
         await self.shutdown()
 
     async def shutdown(self) -> None:
@@ -302,8 +313,8 @@ class ServerEngine(Engine):
                 log.info("engine.stopped", engine=self.engine_id, code=self.process.returncode)
         self._dead = True
 
-    def _terminate_process_group(self, grace_s: float = 15.0) -> None:
-        if not terminate_process_group(self.process, grace_s):
+    def _terminate_process_group(self) -> None:
+        if not terminate_process_group(self.process, self._stop_grace_s):
             log.warning("engine.leader_not_reaped", engine=self.engine_id, pid=self.process.pid)
 
     # -- requests ---------------------------------------------------------------------------

@@ -163,10 +163,65 @@ async def test_killing_the_server_fails_in_flight_calls_with_a_named_error(tiny_
         assert not await engine.healthy()
         with pytest.raises(EngineDeadError):
             await engine.complete("after", [1, 2], SamplingSettings(max_tokens=2))
+        # Nobody stops its group yet: its engine core and worker die with it on their own (a chain
+        # of parent-death signals), as when whoever started the server is killed outright.
+        assert await group_gone_within(engine.process, 60), alive_in_group(engine.process.pid)
     finally:
         await engine.shutdown()
     # The whole process group is gone: no orphaned engine core or worker.
     with pytest.raises(ProcessLookupError):
+        os.killpg(engine.process.pid, 0)
+
+
+async def group_gone_within(process, seconds: float) -> bool:
+    with anyio.move_on_after(seconds):
+        while True:
+            process.poll()  # the leader, reaped; its orphaned children are reaped by init
+            try:
+                os.killpg(process.pid, 0)
+            except ProcessLookupError:
+                return True
+            await anyio.sleep(0.2)
+    return False
+
+
+def alive_in_group(pgid: int) -> list[str]:
+    import psutil
+
+    return [f"{p.pid} {p.name()}" for p in psutil.process_iter() if _pgid(p.pid) == pgid]
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
+
+
+async def test_a_start_cancelled_while_the_server_starts_leaves_no_process_of_it(tiny_model_dir, engine_log_dir):
+    """A Ctrl-C (a cancellation) while a server of its own is starting: `start` stops the server's
+    whole group before it raises, even with its engine core already forked."""
+    import psutil
+
+    from orchestrator.config.run import EngineConfig
+    from orchestrator.engines.server import ServerEngine
+
+    engine = ServerEngine(EngineConfig(model=str(tiny_model_dir), kind="server"), "cancelled", log_dir=engine_log_dir)
+
+    def engine_core_forked() -> bool:
+        try:
+            return any("EngineCore" in p.name() for p in psutil.Process(engine.process.pid).children(recursive=True))
+        except (psutil.NoSuchProcess, AttributeError):
+            return False
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(engine.start)
+        with anyio.fail_after(300):
+            while not engine_core_forked():
+                await anyio.sleep(0.1)
+        tg.cancel_scope.cancel()
+    assert engine.process is not None and engine.process.returncode is not None
+    with pytest.raises(ProcessLookupError):  # nothing left to wait for: gone when start returned
         os.killpg(engine.process.pid, 0)
 
 

@@ -29,7 +29,7 @@ from orchestrator.trainer.link import (
 )
 from tests.helpers import load_safetensors_dir
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.light_lane]
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -290,6 +290,7 @@ def _gone(pid: int) -> bool:
     return "State:\tZ" in status  # exited, waiting for a reaper that may never come in a container
 
 
+@pytest.mark.wall_clock  # the orphaned trainer must be gone within 30 s
 @pytest.mark.timeout(180)
 async def test_the_trainer_exits_when_its_parent_is_gone(tmp_path, rl_model_dir):
     """The orchestrator crashed without a Stop: the trainer notices its new parent and exits."""

@@ -17,6 +17,8 @@ from transports.base import (
 from transports.factory import TrainCluster, create_weight_synchronizer
 from transports.local import ProcessEngine
 
+pytestmark = pytest.mark.light_lane  # passes at any pace: the light lane (tests/conftest.py)
+
 TRANSPORTS = ["filesystem", "collective", "ipc", "http"]
 
 

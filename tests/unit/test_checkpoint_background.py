@@ -22,6 +22,8 @@ from orchestrator.trainer import checkpoint, checkpoint_background, step_journal
 from tests.unit.test_step_journal import _assert_same_state, _state, _steps, batches  # noqa: F401 - fixture
 from tests.unit.test_trainer_lora import _trainer
 
+pytestmark = pytest.mark.light_lane  # passes at any pace: the light lane (tests/conftest.py)
+
 STEPS = 5
 
 

@@ -23,6 +23,8 @@ from orchestrator.commands import cli
 from orchestrator.config.run import RunConfig
 from orchestrator.errors import ConfigError, ModelError
 
+pytestmark = pytest.mark.light_lane  # passes at any pace: the light lane (tests/conftest.py)
+
 INFLIGHT = [sys.executable, "-m", "orchestrator.commands.cli"]
 
 
@@ -336,6 +338,7 @@ async def test_a_successful_activation_clears_the_degraded_report(tmp_path):
     assert any(degraded) and not degraded[-1]
 
 
+@pytest.mark.wall_clock  # the task build must reach the factory within build_timeout_s = 2
 def test_a_task_factory_that_never_returns_exits_2_naming_it_within_build_timeout_s(tmp_path, checkout_rl_model):
     """A factory (or dataset scan) that blocks: the run stops at task.build_timeout_s, naming what
     builds the task, before engines start; its thread is a daemon, so the process exits."""
@@ -349,6 +352,7 @@ def test_a_task_factory_that_never_returns_exits_2_naming_it_within_build_timeou
     assert "engine.starting" not in events(tmp_path / "run")
 
 
+@pytest.mark.wall_clock  # row 2 renders within row_timeout_s = 3
 async def test_a_row_that_never_returns_is_a_named_timeout_and_holds_no_loop(tmp_path, tiny_model_dir):
     """An endless task (row(index), no __len__) whose row 3 blocks: prompt(3) fails at
     task.row_timeout_s naming the row, and the loop keeps running meanwhile."""

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # `light_lane` (its own engines, sync mode).
 SAMPLE = ["tests/unit/test_refit_families.py", "tests/unit/test_model_presets.py",
           "tests/integration/test_run_misuse.py", "tests/integration/test_replay_analysis_run.py",
-          "tests/integration/test_trainer_process.py", "tests/cluster/test_hosts.py",
+          "tests/unit/test_score_pool.py", "tests/cluster/test_hosts.py",
           "tests/unit/test_docs_tasks.py", "tests/integration/test_any_model.py"]
 WALL_CLOCK = "tests/unit/test_docs_tasks.py::test_a_reward_that_raises_or_hangs_is_named_and_bounded"
 
@@ -40,7 +40,7 @@ def test_the_lanes_split_the_suite_and_the_light_lane_has_only_its_marked_module
     assert sorted(main + light) == sorted(everything) and not set(main) & set(light)
     assert {t.split("::")[0] for t in main} == {"tests/unit/test_refit_families.py", "tests/integration/test_run_misuse.py",
                                                 "tests/integration/test_replay_analysis_run.py", "tests/cluster/test_hosts.py",
-                                                "tests/integration/test_trainer_process.py", "tests/unit/test_docs_tasks.py"}
+                                                "tests/unit/test_score_pool.py", "tests/unit/test_docs_tasks.py"}
     assert [t for t in main if t.startswith("tests/unit/test_docs_tasks.py")] == [WALL_CLOCK]
     assert {t.split("::")[0] for t in light} == {"tests/unit/test_model_presets.py", "tests/unit/test_docs_tasks.py",
                                                  "tests/integration/test_any_model.py"}

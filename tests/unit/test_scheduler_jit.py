@@ -19,6 +19,8 @@ from orchestrator.config.run import SchedulerConfig
 from orchestrator.scheduling.messages import majority_version
 from tests.unit.scheduler_sim import World, simulate
 
+pytestmark = pytest.mark.light_lane  # passes at any pace: the light lane (tests/conftest.py)
+
 # Engines: a CPU-like shared rate (100 or 400 tokens/s in all) or a GPU-like one (each rollout
 # at its own rate, however many run).
 engine_rates = st.sampled_from([100.0, 400.0, 1e6])

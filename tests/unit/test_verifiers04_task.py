@@ -21,7 +21,7 @@ from orchestrator.tasks.verifiers04 import make
 from replay.records import SamplingSettings
 from tests.agent_helpers import TOKEN, Script, served
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.light_lane]
 ROOT = Path(__file__).resolve().parents[2]
 HERE = ROOT / "tests" / "verifiers04"
 RENDERER = {"name": "custom", "import_path": f"{HERE / 'chatml_renderer.py'}:ChatMLBridge"}
