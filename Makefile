@@ -24,10 +24,10 @@ venv: $(STAMP)
 # downloaded and compiled in parallel (a fresh venv with the test extras: ~60 s against pip's ~150 s
 # on a 2-core machine). Bytecode is compiled at install as pip does: imports read it from then on.
 # pip's find-links (PIP_FIND_LINKS, else pip's config: where a machine keeps wheels such as torch's
-# CPU build) is passed on, since uv does not read pip's settings.
+# CPU build) is passed on, since uv does not read pip's settings; asked only when an install runs (`=`).
 UV := $(VENV)/bin/uv
-FIND_LINKS := $(or $(PIP_FIND_LINKS),$(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
-UV_INSTALL := $(UV) pip install --quiet --python $(PY) --compile-bytecode $(foreach l,$(FIND_LINKS),--find-links $(l))
+FIND_LINKS = $(or $(PIP_FIND_LINKS),$(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
+UV_INSTALL = $(UV) pip install --quiet --python $(PY) --compile-bytecode $(foreach l,$(FIND_LINKS),--find-links $(l))
 
 # Idempotent: rebuilt only when pyproject.toml changes or the stamp is missing.
 $(STAMP): pyproject.toml

@@ -84,8 +84,9 @@ def pytest_collection_modifyitems(session, config, items) -> None:
     items.sort(key=rank)
     lane = config.getoption("lane")
     if lane != "all":
-        keep = [item for item in items if in_main_lane(item, top_of(item)) == (lane == "main")]
-        dropped = [item for item in items if in_main_lane(item, top_of(item)) != (lane == "main")]
+        keep, dropped = [], []
+        for item in items:
+            (keep if in_main_lane(item, top_of(item)) == (lane == "main") else dropped).append(item)
         if dropped:
             config.hook.pytest_deselected(items=dropped)
         items[:] = keep

@@ -2,9 +2,19 @@
 run. The main lane (every module not marked `light_lane`: the engine tests, the multi-host ones,
 anything with a wall-clock bound) runs in the foreground as a plain pytest would; the light lane
 (the modules marked `light_lane`: they pass at any pace) runs beside it at a lower CPU priority,
-its output kept in .test-lanes/light.log and printed when the main lane is done. On two cores an
-engine's run leaves one core idle about half the time; the light lane's tests use it, slowing the
-main lane by about a tenth while they run. docs/testing.md.
+its output kept in .test-lanes/light.log and printed when the main lane is done. On two cores the
+main lane alone leaves about half a core idle (three engine modules: 77% of both cores busy on
+average, in stretches of a minute at 100% and of a minute at 50%); the light lane's tests use it.
+docs/testing.md.
+
+The light lane runs in a session of its own, its autogroup's nice at LIGHT_NICENESS. Linux groups
+the CPU's share by session first (autogroup, on by default on desktop and cloud kernels alike), and
+every vLLM server and `inflight run` a test starts is a session of its own: a niceness within the
+runner's session ranked the light lane only against the main pytest, and the light lane took an
+equal share against every engine (an engine test 72-78 s beside two busy light processes, 44-47 s
+alone; in a session of its own at nice 10, 50 s). Its own session is not the terminal's foreground
+group, so the runner passes a Ctrl-C on to it, and it gets one (SIGINT: its fixtures stop their
+engines) if the runner dies.
 
     python -m tests.lanes [PYTEST ARGS...]   # both lanes; the arguments go to each
     TEST_REPORTS=DIR python -m tests.lanes   # also a JUnit XML per lane: DIR/main.xml, DIR/light.xml
@@ -16,6 +26,7 @@ SIGTERM is passed on to both.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -28,6 +39,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # must not truncate the log its own light lane is writing).
 LOGS = Path(os.environ.get("TEST_LANES_DIR") or ROOT / ".test-lanes")
 LIGHT_NICENESS = 10  # at 10 the light lane gets ~10% of a core the main lane wants, all of an idle one
+AUTOGROUP = Path("/proc/self/autogroup")  # "nice N" of this process's session group, where the kernel has them
+PR_SET_PDEATHSIG = 1
 NO_TESTS = 5  # pytest's exit status when a selection collects nothing
 
 
@@ -55,7 +68,7 @@ def main(extra: list[str]) -> int:
     started = time.monotonic()
     with log_path.open("wb") as log:
         light = subprocess.Popen(pytest_argv("light", extra), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                 preexec_fn=lambda: os.nice(LIGHT_NICENESS))
+                                 preexec_fn=light_lane_preexec())
     print(f"lanes: the light lane (the modules marked light_lane) runs beside this one at niceness "
           f"{LIGHT_NICENESS}; its output goes to {shown(log_path)} and is printed at the end", flush=True)
     main_lane = subprocess.Popen(pytest_argv("main", extra), cwd=ROOT)
@@ -75,6 +88,28 @@ def main(extra: list[str]) -> int:
     return exit_status(codes["main"], codes["light"])
 
 
+def light_lane_preexec():
+    """The light lane's `preexec_fn`: a session of its own whose autogroup (where the kernel has
+    them) and niceness are LIGHT_NICENESS, and a SIGINT when the runner dies."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)  # loaded before the fork: the child only calls
+    runner = os.getpid()
+
+    def preexec() -> None:
+        os.setsid()
+        try:
+            AUTOGROUP.write_text(str(LIGHT_NICENESS))
+        except OSError:  # a kernel without autogroups: the niceness alone ranks the lanes
+            pass
+        os.nice(LIGHT_NICENESS)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGINT, 0, 0, 0)
+        if os.getppid() != runner:  # the runner died before the signal was armed
+            os.kill(os.getpid(), signal.SIGINT)
+
+    return preexec
+
+
 def shown(path: Path) -> str:
     return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
@@ -92,7 +127,11 @@ def wait_for(lanes: dict[str, subprocess.Popen], started: float) -> tuple[dict[s
                     if name == "light" and "main" not in codes:
                         print(f"\nlanes: the light lane ended: exit {code} after {seconds[name]:.0f} s", flush=True)
             time.sleep(0.2)
-        except KeyboardInterrupt:  # the terminal's Ctrl-C reached the lanes too: each ends its own way
+        except KeyboardInterrupt:  # the terminal's Ctrl-C reached the main lane: each ends its own way
+            light = lanes.get("light")
+            if light is not None and light.poll() is None:  # not in the terminal's group: passed on
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(light.pid, signal.SIGINT)
             continue
     return codes, seconds
 

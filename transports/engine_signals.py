@@ -18,8 +18,9 @@ none alive after the orchestrator.
 vLLM loads general plugins in every process it runs, after the engine core and the worker have
 installed their own signal handlers. This one acts only in a child process (a multiprocessing
 parent exists) whose environment carries ENGINE_CHILD_ENV, which `inflight run` sets before it
-starts its engines; any other vLLM use (`inflight generate`, a test's engine, a user's own
-`vllm serve` in this environment) is left alone.
+starts its engines and `ServerEngine` sets for every server it spawns (a test's server among them);
+any other vLLM use (`inflight generate`, a test's in-process engine, a user's own `vllm serve` in
+this environment) is left alone.
 
 With DIE_WITH_PARENT_ENV (set for every server inflight starts: `ServerEngine` on this host, a Ray
 actor's on another, `orchestrator.cluster.ray_engines`) each such child also gets a parent-death

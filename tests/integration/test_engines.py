@@ -9,6 +9,7 @@ import anyio
 import pytest
 
 from orchestrator.engines.base import SamplingSettings, collect
+from orchestrator.engines.process_group import _wait_group_gone
 from orchestrator.errors import ConfigError, EngineDeadError, EngineTimeoutError
 from tests.reference import reference_logprobs
 
@@ -174,15 +175,7 @@ async def test_killing_the_server_fails_in_flight_calls_with_a_named_error(tiny_
 
 
 async def group_gone_within(process, seconds: float) -> bool:
-    with anyio.move_on_after(seconds):
-        while True:
-            process.poll()  # the leader, reaped; its orphaned children are reaped by init
-            try:
-                os.killpg(process.pid, 0)
-            except ProcessLookupError:
-                return True
-            await anyio.sleep(0.2)
-    return False
+    return await anyio.to_thread.run_sync(_wait_group_gone, process, process.pid, seconds)
 
 
 def alive_in_group(pgid: int) -> list[str]:

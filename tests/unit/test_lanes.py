@@ -85,3 +85,52 @@ def test_the_runner_runs_both_lanes_and_prints_the_light_ones_output(tmp_path):
     nothing = subprocess.run(args[:-1] + ["no_test_has_this_name"], cwd=ROOT, capture_output=True, text=True,
                              timeout=300, env=env)
     assert nothing.returncode == NO_TESTS, nothing.stdout[-3000:]
+
+
+def test_the_light_lane_runs_in_a_session_of_its_own_at_its_niceness():
+    """Linux shares the CPU between sessions before niceness counts (autogroups): the light lane's
+    niceness is felt by the engines' sessions only when its session's group carries it too."""
+    import os
+
+    from tests.lanes import AUTOGROUP, LIGHT_NICENESS, light_lane_preexec
+
+    code = ("import os, pathlib; p = pathlib.Path('/proc/self/autogroup'); "
+            "print(os.getsid(0) == os.getpid(), os.nice(0), p.read_text().split()[-1] if p.exists() else '-')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         preexec_fn=light_lane_preexec())
+    leader, nice, group_nice = out.stdout.split()
+    assert leader == "True", out.stdout
+    assert int(nice) == min(19, os.nice(0) + LIGHT_NICENESS)
+    if AUTOGROUP.exists():
+        assert int(group_nice) == LIGHT_NICENESS, out.stdout
+
+
+@pytest.mark.timeout(600)
+def test_a_ctrl_c_to_the_runners_group_stops_the_light_lane_too(tmp_path):
+    """The light lane is not in the terminal's process group: the runner passes the Ctrl-C on."""
+    import os
+    import signal
+    import time
+
+    import psutil
+
+    env = {**os.environ, "TEST_LANES_DIR": str(tmp_path / "lanes")}
+    runner = subprocess.Popen([sys.executable, "-m", "tests.lanes", "tests/unit/test_trainer_loss.py", "-k", "tis"],
+                              cwd=ROOT, env=env, start_new_session=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    try:
+        light = []
+        deadline = time.monotonic() + 120
+        while not light and time.monotonic() < deadline:
+            light = [p for p in psutil.Process(runner.pid).children() if "--lane=light" in p.cmdline()]
+            time.sleep(0.2)
+        assert light, "no light lane started"
+        assert os.getsid(light[0].pid) != os.getsid(runner.pid)
+        time.sleep(3)  # inside pytest's start-up or its test: either way a SIGINT ends it
+        os.killpg(runner.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the foreground group only
+        output, _ = runner.communicate(timeout=240)
+        assert not light[0].is_running() or light[0].status() == psutil.STATUS_ZOMBIE
+        assert "light exit" in output and "light exit 0" not in output, output[-3000:]
+    finally:
+        if runner.poll() is None:
+            os.killpg(runner.pid, signal.SIGKILL)

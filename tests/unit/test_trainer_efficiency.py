@@ -251,7 +251,7 @@ def _rank_main(rank: int, port: int, model_dir: str, samples_path: str, out_dir:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=120))
+                            timeout=datetime.timedelta(seconds=600))
     try:
         ranks = Ranks(rank, 2, rank)
         model = shard(_load(model_dir), ranks, torch.device("cpu"))

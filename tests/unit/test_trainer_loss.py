@@ -18,7 +18,8 @@ from orchestrator.trainer.loss import (
     policy_loss,
 )
 
-pytestmark = [pytest.mark.timeout(120), pytest.mark.light_lane]
+# The timeout is a hang guard: beside the main lane this lane may get a tenth of a core for a minute.
+pytestmark = [pytest.mark.timeout(600), pytest.mark.light_lane]
 
 
 def test_group_advantages_centre_and_scale_within_each_group():
@@ -139,7 +140,7 @@ def test_completion_logprobs_are_teacher_forced_on_the_completion_tokens_only():
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(600)
 def test_tis_learns_the_digits_task_from_samples_two_versions_old(rl_model):
     """A plain GRPO loop (no engine, no processes) on a fresh tiny-rl model: 8 prompts x 8
     samples x 16 tokens at temperature 1, sampled by the policy 2 steps old, trained with the

@@ -37,7 +37,7 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=60))
+                            timeout=datetime.timedelta(seconds=600))
     try:
         model = _tiny_model()
         reference = {k: v.detach().clone() for k, v in model.state_dict().items()}
