@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
+# light_lane: subprocesses bounded by minutes only (the bounds below are hang guards).
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(600), pytest.mark.light_lane]
 
 
 def inflight(*args: str, timeout: float = 400) -> subprocess.CompletedProcess:
@@ -41,7 +42,7 @@ def test_generate_prints_tokens_logprobs_and_versions(tiny_model_dir):
 def test_bad_input_is_named_and_exits_non_zero(tiny_model_dir, args, needle):
     if "--model" not in args:
         args = ["--model", str(tiny_model_dir), *args]
-    result = inflight("generate", *args, timeout=120)
+    result = inflight("generate", *args, timeout=400)
     assert result.returncode == 2
     assert needle in result.stderr
     assert "Traceback" not in result.stderr
@@ -51,6 +52,6 @@ def test_a_model_directory_without_weights_is_named(tiny_model_dir, tmp_path):
     broken = tmp_path / "no-weights"
     shutil.copytree(tiny_model_dir, broken)
     (broken / "model.safetensors").unlink()
-    result = inflight("generate", "--model", str(broken), "--prompt", "x", timeout=120)
+    result = inflight("generate", "--model", str(broken), "--prompt", "x", timeout=400)
     assert result.returncode == 2
     assert "no weight files" in result.stderr and str(broken) in result.stderr
