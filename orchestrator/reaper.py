@@ -84,12 +84,14 @@ class Reaper:
             del os.environ[RUN_TOKEN]
 
 
-def die_with_parent(ignore_sigint: bool = False) -> Callable[[], None] | None:
+def die_with_parent(ignore_sigint: bool = False,
+                    death_signal: int = signal.SIGKILL) -> Callable[[], None] | None:
     """A `preexec_fn` for `subprocess.Popen` (None where Linux's prctl is missing): the child
-    gets SIGKILL when the thread that started it ends, and exits at once if the orchestrator
-    is already gone. `ignore_sigint`: a terminal's Ctrl-C is the orchestrator's to handle
-    (it stops the child itself, after a graceful stop); an ignored SIGINT stays ignored across
-    exec, and Python then installs no KeyboardInterrupt handler."""
+    gets `death_signal` (SIGKILL unless said) when the thread that started it ends, and exits
+    at once if its parent is already gone. `ignore_sigint`: a terminal's Ctrl-C is the
+    orchestrator's to handle (it stops the child itself, after a graceful stop); an ignored
+    SIGINT stays ignored across exec, and Python then installs no KeyboardInterrupt handler.
+    A SIGINT as `death_signal` lets a child that handles it (a pytest run) end its own way."""
     if not sys.platform.startswith("linux"):
         return None
     import ctypes
@@ -101,10 +103,10 @@ def die_with_parent(ignore_sigint: bool = False) -> Callable[[], None] | None:
     parent = os.getpid()
 
     def preexec() -> None:
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        libc.prctl(PR_SET_PDEATHSIG, death_signal, 0, 0, 0)
         if ignore_sigint:
             libc.signal(signal.SIGINT, 1)  # SIG_IGN
-        if os.getppid() != parent:  # the orchestrator died before the signal was armed
+        if os.getppid() != parent:  # the parent died before the signal was armed
             os._exit(1)
 
     return preexec

@@ -40,7 +40,6 @@ ROOT = Path(__file__).resolve().parents[1]
 LOGS = Path(os.environ.get("TEST_LANES_DIR") or ROOT / ".test-lanes")
 LIGHT_NICENESS = 10  # at 10 the light lane gets ~10% of a core the main lane wants, all of an idle one
 AUTOGROUP = Path("/proc/self/autogroup")  # "nice N" of this process's session group, where the kernel has them
-PR_SET_PDEATHSIG = 1
 NO_TESTS = 5  # pytest's exit status when a selection collects nothing
 
 
@@ -91,10 +90,9 @@ def main(extra: list[str]) -> int:
 def light_lane_preexec():
     """The light lane's `preexec_fn`: a session of its own whose autogroup (where the kernel has
     them) and niceness are LIGHT_NICENESS, and a SIGINT when the runner dies."""
-    import ctypes
+    from orchestrator.reaper import die_with_parent
 
-    libc = ctypes.CDLL(None, use_errno=True)  # loaded before the fork: the child only calls
-    runner = os.getpid()
+    die_with_runner = die_with_parent(death_signal=signal.SIGINT)  # built before the fork
 
     def preexec() -> None:
         os.setsid()
@@ -103,9 +101,8 @@ def light_lane_preexec():
         except OSError:  # a kernel without autogroups: the niceness alone ranks the lanes
             pass
         os.nice(LIGHT_NICENESS)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGINT, 0, 0, 0)
-        if os.getppid() != runner:  # the runner died before the signal was armed
-            os.kill(os.getpid(), signal.SIGINT)
+        if die_with_runner is not None:
+            die_with_runner()
 
     return preexec
 

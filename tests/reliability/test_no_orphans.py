@@ -159,6 +159,36 @@ def test_a_child_started_with_die_with_parent_dies_with_it_without_the_watchdog(
         kill_marked(mark)
 
 
+@pytest.mark.timeout(60)
+def test_die_with_parent_can_send_a_sigint_that_the_child_handles_its_own_way(tmp_path):
+    """What the test runner's light lane uses: a pytest that gets SIGINT when its runner dies ends
+    as on a Ctrl-C (its own cleanup), where a SIGKILL would leave its children behind."""
+    mark, said = uuid.uuid4().hex, tmp_path / "interrupted"
+    started = tmp_path / "started"
+    child = (f"import time, pathlib\ntry:\n    pathlib.Path({str(started)!r}).touch()\n    time.sleep(300)\n"
+             f"except KeyboardInterrupt:\n    pathlib.Path({str(said)!r}).write_text('SIGINT')\n")
+    script = textwrap.dedent(f"""
+        import signal, subprocess, sys, time
+        from orchestrator.reaper import die_with_parent
+        subprocess.Popen([sys.executable, "-c", {child!r}], start_new_session=True,
+                         preexec_fn=die_with_parent(death_signal=signal.SIGINT))
+        print("ready", flush=True)
+        time.sleep(300)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=marked_env(mark))
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        deadline = time.monotonic() + 30
+        while not started.exists() and time.monotonic() < deadline:  # inside its try: the handler in place
+            time.sleep(0.05)
+        proc.kill()
+        proc.wait(10)
+        assert gone_within(mark, 10) == []
+        assert said.read_text() == "SIGINT"
+    finally:
+        kill_marked(mark)
+
+
 # -- the real command ---------------------------------------------------------------------------
 def write_config(tmp_path: Path, model: Path, extra: str = "") -> Path:
     path = tmp_path / "run.toml"

@@ -122,7 +122,7 @@ def test_a_ctrl_c_to_the_runners_group_stops_the_light_lane_too(tmp_path):
         light = []
         deadline = time.monotonic() + 120
         while not light and time.monotonic() < deadline:
-            light = [p for p in psutil.Process(runner.pid).children() if "--lane=light" in p.cmdline()]
+            light = [p for p in psutil.Process(runner.pid).children() if lane_of(p) == "light"]
             time.sleep(0.2)
         assert light, "no light lane started"
         assert os.getsid(light[0].pid) != os.getsid(runner.pid)
@@ -134,3 +134,15 @@ def test_a_ctrl_c_to_the_runners_group_stops_the_light_lane_too(tmp_path):
     finally:
         if runner.poll() is None:
             os.killpg(runner.pid, signal.SIGKILL)
+
+
+def lane_of(child) -> str | None:
+    """"light" or "main" for a lane the runner started; None for another child, or one gone or a
+    zombie by the time its command line is read (a lane that ended before its parent reaped it)."""
+    import psutil
+
+    try:
+        argv = child.cmdline()
+    except psutil.Error:
+        return None
+    return next((a.split("=", 1)[1] for a in argv if a.startswith("--lane=")), None)
