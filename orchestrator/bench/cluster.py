@@ -193,7 +193,7 @@ def link_ratio(hosts, base: Path, cap_mbit: float, nbytes: int) -> dict:
 # -- the run: activation across hosts, a cut link, its rejoin ---------------------------------------------
 
 def run_with_a_cut(hosts, base: Path, model: Path, address: str, steps: int) -> dict:
-    from orchestrator.bench.ray_hosts import ClusterRun, consumed_steps, write_cluster_config
+    from orchestrator.bench.ray_hosts import ClusterRun, write_cluster_config
     from replay.log import read_records
     from replay.records import ActivationRecord
 
@@ -201,11 +201,11 @@ def run_with_a_cut(hosts, base: Path, model: Path, address: str, steps: int) -> 
     run_dir = base / "run"
     run = ClusterRun(hosts, config, run_dir, steps)
     cut_after = min(5, steps // 4)
-    run.wait_for(lambda: consumed_steps(run_dir) >= cut_after, 900, f"step {cut_after}")
+    run.wait_for_steps(cut_after, 900, f"step {cut_after}")
     engine = next(e["engine"] for e in run.events("engine.placed") if e["node_ip"] == hosts[2].address)
     hosts[2].cut()
     cut_at = time.time()
-    run.wait_for(lambda: consumed_steps(run_dir) > cut_after, 600, "a step after the cut")
+    run.wait_for_steps(cut_after + 1, 600, "a step after the cut")
     run.wait_for(lambda: [e for e in run.events("fleet.fenced") if e["engine"] == engine], 300, "the fence")
     hosts[2].restore()
     restored = time.monotonic()

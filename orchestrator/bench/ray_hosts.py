@@ -162,15 +162,31 @@ class ClusterRun:
     def steps_done(self) -> int:
         return consumed_steps(self.run_dir)
 
+    def steps_logged(self) -> int:
+        """The newest step the orchestrator's log says was done: a cheap stand-in for `steps_done`
+        while waiting (a few hundred lines, where the replay log is thousands of records)."""
+        return max((e.get("step", 0) for e in self.events("trainer.step_done")), default=0)
+
+    def wait_for_steps(self, steps: int, timeout: float, what: str) -> int:
+        """Until the replay log records the consumption of step `steps`: polled on the orchestrator's
+        log, then confirmed on the replay log (whose consumption record may follow its line)."""
+        deadline = time.monotonic() + timeout
+        self.wait_for(lambda: self.steps_logged() >= steps, timeout, what)
+        return self.wait_for(lambda: (done := consumed_steps(self.run_dir)) >= steps and done,
+                             max(1.0, deadline - time.monotonic()), what)
+
     def wait_for(self, predicate, timeout: float, what: str):
+        """Polls `predicate` until it holds; between polls at least three times what one poll took, so
+        that a poll that reads a growing log takes at most a quarter of a core from the run."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            began = time.monotonic()
             value = predicate()
             if value:
                 return value
             if self.proc.poll() is not None:
                 raise AssertionError(f"{what}: inflight run exited {self.proc.returncode}\n{self.output()[-4000:]}")
-            time.sleep(0.5)
+            time.sleep(max(0.5, 3 * (time.monotonic() - began)))
         raise AssertionError(f"{what}: not within {timeout}s\n{self.output()[-4000:]}")
 
 

@@ -27,7 +27,7 @@ STEP_OF = {act.Pause: "pause", act.Swap: "swap", act.FenceCache: "fence_cache",
 class FleetActions:
     """Mixed into `Fleet`: requires `engines`, `coordinator`, `ft`, `strategy`, `_rpc`,
     `_drop_staged`, `_stage_adapter`, `staged_before`, `_stage_source`, `_gates`,
-    `_tracks_by_engine`, `tracks_on`, `_paused`, `_pauses_due`, `_reports_due`,
+    `_tracks_by_engine`, `tracks_on`, `_paused`, `_died`, `_pauses_due`, `_reports_due`,
     `_salt_unsettled`, `_salt_version`, `_note_switch`, `_note_prompt_cache`,
     `_release_reports`, `_deferred_aborts`, `_abort_on`, `_fence`, `set_state`."""
 
@@ -168,6 +168,7 @@ class FleetActions:
         if scope.cancelled_caught:
             raise TimeoutError(f"{engine.engine_id} did not resume within {limit}s")
         self._paused.discard(engine.engine_id)
+        self._died.discard(engine.engine_id)  # it answered: alive again
         await self._flush_deferred_aborts(engine.engine_id)
 
     async def _flush_deferred_aborts(self, engine_id: str) -> None:

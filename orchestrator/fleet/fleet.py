@@ -82,6 +82,8 @@ class Fleet(FleetActions, AdapterStaging, RolloutStreams, FleetMembership):
         self._gates: dict[str, anyio.Event] = {}  # engines not admitting new requests (drain)
         self._gate_waiters: dict[str, anyio.CancelScope] = {}  # request id -> its wait at a gate
         self._paused: set[str] = set()
+        # Engines reported dead (`engine_died`) and not resumed since: `_resume_leftovers` skips them.
+        self._died: set[str] = set()
         # Pauses started but not yet answered, per engine: a Resume waits for them (see _perform).
         self._pauses_due: dict[str, int] = {}
         self._stage_source: dict = {}
@@ -157,6 +159,7 @@ class Fleet(FleetActions, AdapterStaging, RolloutStreams, FleetMembership):
     async def engine_died(self, engine_id: str, error: str) -> None:
         """An engine is gone: fence it (no new requests; its in-flight rollouts end errored).
         During an activation the event joins it, so the coordinator decides with full state."""
+        self._died.add(engine_id)
         if engine_id in self.coordinator.fenced:
             return
         if self._events is not None:
@@ -303,7 +306,11 @@ class Fleet(FleetActions, AdapterStaging, RolloutStreams, FleetMembership):
                 track.kv_mode = "keep" if keeps else policy
 
     async def _resume_leftovers(self) -> None:
-        """Resume every engine still paused, all at once (a dead one must not delay the rest)."""
+        """Resume every engine still paused, all at once (a dead one must not delay the rest).
+        An engine reported dead and still fenced is not called: over a cut link the call waits
+        out `resume_limit_s`, and the activation's end with it (its lock, so the next version:
+        30 s of a cluster run's steps). It stays marked paused, its deferred aborts unsent; a
+        rejoin pauses, swaps and resumes it, and those aborts follow that resume."""
         async def resume_one(e: str) -> None:
             try:
                 with anyio.move_on_after(self.ft.resume_limit_s):
@@ -315,7 +322,8 @@ class Fleet(FleetActions, AdapterStaging, RolloutStreams, FleetMembership):
         with anyio.CancelScope(shield=True):
             async with anyio.create_task_group() as tg:
                 for e in list(self._paused):
-                    tg.start_soon(resume_one, e)
+                    if e not in self._died or e not in self.coordinator.fenced:
+                        tg.start_soon(resume_one, e)
             for e in list(self._deferred_aborts):
                 await self._flush_deferred_aborts(e)
 

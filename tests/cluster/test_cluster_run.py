@@ -8,7 +8,7 @@ what a CPU affords):
   host 4: joins the Ray cluster only mid-run, offering the engine resource (the fleet grows onto it)
   (each host's engine binds a core of its own: `host_env`)
 
-The scenario, in order (the run has `fleet.replace = true`): ten steps; host 2's link cut (its engine
+The scenario, in order (the run has `fleet.replace = true`): four steps; host 2's link cut (its engine
 fenced, the run goes on) and restored (the engine rejoins at the live version, then serves; a cut link
 is not a loss, nothing is replaced); host 1 killed (Ray's node death: the engine is lost, the run goes on
 with one); host 1 back, its Ray node joins offering the engine resource: Ray places the lost engine's
@@ -42,6 +42,7 @@ from tests.cluster.cluster_helpers import make_hosts, start_cluster
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(2400)]
 INFLIGHT = [sys.executable, "-m", "orchestrator.commands.cli"]
 ENGINE, TRAINER = {"engine": 1}, {"trainer": 1}
+FIRST_STEPS = 4  # before the first fault: each later phase waits for steps of its own
 
 
 class Scenario:
@@ -100,26 +101,26 @@ def scenario(tmp_path_factory, rl_model):
                                       max_engines=3, extra="unreachable_s = 8.0\n[fleet]\nreplace = true")
         s.facts.update(hosts=hosts, run_dir=run_dir, address=ray.address)
         run = ClusterRun(hosts, config, run_dir, 400)
-        with s.phase("ten_steps"):
-            run.wait_for(lambda: consumed_steps(run_dir) >= 10, 600, "ten steps")
+        with s.phase("first_steps"):
+            run.wait_for_steps(FIRST_STEPS, 600, "the first steps")
             placed = {e["engine"]: e["node_ip"] for e in run.events("engine.placed")}
-            s.facts["ten_steps"] = {"placed": placed, "nodes": run.events("trainer.node_started")}
+            s.facts["first_steps"] = {"placed": placed, "nodes": run.events("trainer.node_started")}
         with s.phase("link_cut"):
-            s.need("ten_steps")
+            s.need("first_steps")
             cut_engine = next(e for e, ip in placed.items() if ip == hosts[2].address)
             cut_at = time.time()
             hosts[2].cut()
             fenced = run.wait_for(lambda: [e for e in run.events("fleet.fenced") if e["engine"] == cut_engine],
                                   120, "the cut engine fenced")
             steps_while_cut = consumed_steps(run_dir)
-            run.wait_for(lambda: consumed_steps(run_dir) >= steps_while_cut + 2, 300, "steps while the link is cut")
+            run.wait_for_steps(steps_while_cut + 2, 300, "steps while the link is cut")
             steps_after_cut = consumed_steps(run_dir)
             hosts[2].restore()
             restored_at = time.time()
             rejoined = run.wait_for(lambda: [e for e in run.events("engine.rejoined") if e["engine"] == cut_engine],
                                     180, "the engine rejoined")
             rejoined_at = time.time()
-            run.wait_for(lambda: consumed_steps(run_dir) >= steps_after_cut + 2, 300, "steps after the rejoin")
+            run.wait_for_steps(steps_after_cut + 2, 300, "steps after the rejoin")
             s.facts["link_cut"] = dict(engine=cut_engine, cut_at=cut_at, fenced=fenced, restored_at=restored_at,
                                        rejoined=rejoined[0], rejoined_at=rejoined_at,
                                        steps_while_cut=(steps_while_cut, steps_after_cut))
@@ -130,7 +131,7 @@ def scenario(tmp_path_factory, rl_model):
             hosts[1].kill()
             lost = run.wait_for(lambda: [e for e in run.events("engine.lost") if e["engine"] == lost_engine
                                          and "Ray actor died" in e["error"]], 180, "Ray's node death as an engine loss")
-            run.wait_for(lambda: consumed_steps(run_dir) >= before + 2, 300, "steps on one engine")
+            run.wait_for_steps(before + 2, 300, "steps on one engine")
             s.facts["engine_host_killed"] = dict(engine=lost_engine, lost=lost[0], before=before,
                                                  after=consumed_steps(run_dir))
         with s.phase("engine_host_replaced"):
@@ -183,7 +184,7 @@ def scenario(tmp_path_factory, rl_model):
             ray.join(3)
             steps = consumed_steps(run_dir)
             resumed = ClusterRun(hosts, config, run_dir, 400, "--resume")
-            resumed.wait_for(lambda: consumed_steps(run_dir) >= steps + 2, 600, "steps after --resume")
+            resumed.wait_for_steps(steps + 2, 600, "steps after --resume")
             resumed.proc.send_signal(signal.SIGKILL)
             killed_at = time.monotonic()
             left = {}
@@ -243,12 +244,12 @@ def isolation(hosts, run_dir: Path) -> dict:
     return out
 
 
-def test_ten_steps_over_five_hosts_engines_and_trainer_ranks_placed_by_ray(scenario):
-    scenario.need("ten_steps", "finished")
+def test_a_run_over_five_hosts_with_engines_and_trainer_ranks_placed_by_ray(scenario):
+    scenario.need("first_steps", "finished")
     hosts, facts = scenario.facts["hosts"], scenario.facts
-    placed = facts["ten_steps"]["placed"]
+    placed = facts["first_steps"]["placed"]
     assert sorted(placed.values()) == sorted([hosts[1].address, hosts[2].address]), placed
-    nodes = facts["ten_steps"]["nodes"]
+    nodes = facts["first_steps"]["nodes"]
     assert [n["node_ip"] for n in nodes] == [hosts[3].address]
     trainer_log = (facts["run_dir"] / "trainer.log").read_text()
     assert '"world": 2' in trainer_log
@@ -256,11 +257,11 @@ def test_ten_steps_over_five_hosts_engines_and_trainer_ranks_placed_by_ray(scena
 
 
 def test_every_engine_served_and_each_record_names_it(scenario):
-    scenario.need("ten_steps", "engine_host_replaced", "orchestrator_killed", "finished")
+    scenario.need("first_steps", "engine_host_replaced", "orchestrator_killed", "finished")
     run_dir = scenario.facts["run_dir"]
     served = {r.engine_id for r in read_records(run_dir) if isinstance(r, RolloutRecord) and r.status_name == "completed"}
     facts = scenario.facts
-    assert served >= set(facts["ten_steps"]["placed"]) | {facts["engine_host_replaced"]["engine"], facts["grown"]["engine"]}, \
+    assert served >= set(facts["first_steps"]["placed"]) | {facts["engine_host_replaced"]["engine"], facts["grown"]["engine"]}, \
         served
     history = [json.loads(line) for line in (run_dir / "fleet.jsonl").read_text().splitlines()]
     assert served <= {h["engine"] for h in history}, (served, history)  # every engine that served is in the fleet's log
@@ -334,7 +335,7 @@ def test_a_node_that_joins_gets_the_lost_engines_replacement_which_serves_from_t
     hosts, run_dir = scenario.facts["hosts"], scenario.facts["run_dir"]
     facts, lost = scenario.facts["engine_host_replaced"], scenario.facts["engine_host_killed"]["engine"]
     new, version = facts["engine"], facts["joined"]["version"]
-    assert new not in scenario.facts["ten_steps"]["placed"]  # a new engine, not the lost one back
+    assert new not in scenario.facts["first_steps"]["placed"]  # a new engine, not the lost one back
     assert [e["node_ip"] for e in facts["placed"]] == [hosts[1].address], facts["placed"]  # on the node that joined
     assert [e["engine"] for e in facts["replacing"]] == [lost], facts["replacing"]
     mine = served_from_the_live_version(run_dir, new, facts["joined"])
@@ -370,7 +371,7 @@ def test_a_node_that_joins_with_room_grows_the_fleet_past_its_count_from_the_liv
     scenario.need("engine_host_replaced")
     hosts, run_dir, facts = scenario.facts["hosts"], scenario.facts["run_dir"], scenario.facts["grown"]
     new = facts["engine"]
-    earlier = set(scenario.facts["ten_steps"]["placed"]) | {scenario.facts["engine_host_replaced"]["engine"]}
+    earlier = set(scenario.facts["first_steps"]["placed"]) | {scenario.facts["engine_host_replaced"]["engine"]}
     assert new not in earlier
     assert [e["node_ip"] for e in facts["placed"]] == [hosts[4].address], facts["placed"]
     # One engine serving and the replacement starting: room for one more, and it starts beside the

@@ -149,6 +149,36 @@ async def test_hanging_resume_is_bounded_and_fences():
     assert not engines[0].paused
 
 
+async def test_an_engine_that_dies_paused_is_not_resumed_and_its_rejoin_resumes_it():
+    """A link cut while the engine is paused: its pause never answers, then the fleet hears it died.
+    Nothing answers a resume either, and waiting `resume_limit_s` for it held the activation (and
+    the next version) that long: a dead engine is left to its rejoin, which resumes it."""
+    engines = [ScriptedEngine("a"), ScriptedEngine("b", hang=("pause", "resume"))]
+    fleet = Fleet(engines, fleet_timeouts=FleetTimeouts(resume_limit_s=3.0))
+    record = None
+
+    async def activate() -> None:
+        nonlocal record
+        record = await fleet.activate(1)
+
+    with anyio.fail_after(60):  # a hang guard (a shielded resume waits out its own limit)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(activate)
+            while "pause" not in engines[1].calls:
+                await anyio.sleep(0.01)
+            await fleet.engine_died("b", "unreachable for 12s")
+    assert record.outcome == act.ENGINE_FENCED and fleet.coordinator.fenced == {"b"}
+    assert "resume" not in engines[1].calls
+    assert not engines[0].paused and fleet.live_version == 1
+    engines[1].hang.clear()  # the link is back
+    with anyio.fail_after(60):
+        assert await fleet.rejoin("b")
+    assert engines[1].calls[-1] == "resume" and not engines[1].paused
+    assert fleet.coordinator.serving == ("a", "b")
+    with anyio.fail_after(60):  # and the next activation runs over both, nothing left behind
+        assert (await fleet.activate(2)).outcome == act.ACTIVATED
+
+
 async def test_in_flight_rollouts_on_a_fenced_engine_end_errored_once():
     engines = [ScriptedEngine("a"), ScriptedEngine("b", fail=("swap_apply",))]
     outcomes: list = []
