@@ -165,7 +165,10 @@ def test_die_with_parent_can_send_a_sigint_that_the_child_handles_its_own_way(tm
     as on a Ctrl-C (its own cleanup), where a SIGKILL would leave its children behind."""
     mark, said = uuid.uuid4().hex, tmp_path / "interrupted"
     started = tmp_path / "started"
-    child = (f"import time, pathlib\ntry:\n    pathlib.Path({str(started)!r}).touch()\n    time.sleep(300)\n"
+    # Its KeyboardInterrupt handler set explicitly: a suite started as a shell's background job
+    # inherits SIGINT ignored, and Python then installs none.
+    child = (f"import pathlib, signal, time\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
+             f"try:\n    pathlib.Path({str(started)!r}).touch()\n    time.sleep(300)\n"
              f"except KeyboardInterrupt:\n    pathlib.Path({str(said)!r}).write_text('SIGINT')\n")
     script = textwrap.dedent(f"""
         import signal, subprocess, sys, time

@@ -115,9 +115,12 @@ def test_a_ctrl_c_to_the_runners_group_stops_the_light_lane_too(tmp_path):
     import psutil
 
     env = {**os.environ, "TEST_LANES_DIR": str(tmp_path / "lanes")}
+    # A terminal's runner: SIGINT at its default, whatever this suite inherited (a shell's background
+    # job starts with SIGINT ignored, and an ignored SIGINT stays ignored down every exec).
     runner = subprocess.Popen([sys.executable, "-m", "tests.lanes", "tests/unit/test_trainer_loss.py", "-k", "tis"],
                               cwd=ROOT, env=env, start_new_session=True, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)
+                              stderr=subprocess.STDOUT, text=True,
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         light = []
         deadline = time.monotonic() + 120
