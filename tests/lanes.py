@@ -22,6 +22,12 @@ engines) if the runner dies.
 The exit status is the main lane's if it failed, else the light lane's ("no tests collected" in one
 lane counts as passing when the other ran). Ctrl-C stops both (each pytest handles it as usual);
 SIGTERM is passed on to both.
+
+Where the kernel has cgroup v1's cpu controller and this process may make a group in it (root on
+these machines), the light lane runs in a cpu cgroup of its own at LIGHT_SHARES, and everything it
+starts stays there: an `inflight run`'s trainer and engines start sessions of their own, which
+leave a niceness's autogroup behind but never a cgroup. Without one, the light lane's own processes
+are niced as above, and the runs its tests start compete at full weight.
 """
 
 from __future__ import annotations
@@ -41,6 +47,8 @@ LOGS = Path(os.environ.get("TEST_LANES_DIR") or ROOT / ".test-lanes")
 LIGHT_NICENESS = 10  # at 10 the light lane gets ~10% of a core the main lane wants, all of an idle one
 AUTOGROUP = Path("/proc/self/autogroup")  # "nice N" of this process's session group, where the kernel has them
 NO_TESTS = 5  # pytest's exit status when a selection collects nothing
+CPU_CGROUP = Path("/sys/fs/cgroup/cpu")  # cgroup v1's cpu controller, where it is mounted
+LIGHT_SHARES = 110  # the weight of a nice-10 task against a nice-0 session's 1024: the same ranking
 
 
 def pytest_argv(lane: str, extra: list[str]) -> list[str]:
@@ -62,14 +70,21 @@ def exit_status(main: int, light: int) -> int:
 
 
 def main(extra: list[str]) -> int:
+    with light_cgroup() as group:
+        return run_lanes(extra, group)
+
+
+def run_lanes(extra: list[str], group: Path | None) -> int:
     LOGS.mkdir(exist_ok=True)
     log_path = LOGS / "light.log"
     started = time.monotonic()
     with log_path.open("wb") as log:
         light = subprocess.Popen(pytest_argv("light", extra), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                 preexec_fn=light_lane_preexec())
+                                 preexec_fn=light_lane_preexec(group))
+    where = (f"in cpu cgroup {group} (cpu.shares {LIGHT_SHARES}: every process it starts stays there)" if group
+             else "without a cpu cgroup (none could be made here: the runs its tests start are not niced)")
     print(f"lanes: the light lane (the modules marked light_lane) runs beside this one at niceness "
-          f"{LIGHT_NICENESS}; its output goes to {shown(log_path)} and is printed at the end", flush=True)
+          f"{LIGHT_NICENESS}, {where}; its output goes to {shown(log_path)} and is printed at the end", flush=True)
     main_lane = subprocess.Popen(pytest_argv("main", extra), cwd=ROOT)
     children = (main_lane, light)
 
@@ -87,12 +102,35 @@ def main(extra: list[str]) -> int:
     return exit_status(codes["main"], codes["light"])
 
 
-def light_lane_preexec():
+@contextlib.contextmanager
+def light_cgroup():
+    """A cpu cgroup for the light lane at LIGHT_SHARES (None where none can be made), removed after
+    the lanes end. A process left in it (one that outlived its test) keeps it: rmdir then fails,
+    and the group stays for that process's life."""
+    group = CPU_CGROUP / f"inflight-light-lane-{os.getpid()}"
+    try:
+        group.mkdir()
+        (group / "cpu.shares").write_text(str(LIGHT_SHARES))
+    except OSError:  # no cgroup v1 cpu controller here, or no right to make a group in it
+        with contextlib.suppress(OSError):
+            group.rmdir()
+        group = None
+    try:
+        yield group
+    finally:
+        if group is not None:
+            with contextlib.suppress(OSError):
+                group.rmdir()
+
+
+def light_lane_preexec(group: Path | None = None):
     """The light lane's `preexec_fn`: a session of its own whose autogroup (where the kernel has
-    them) and niceness are LIGHT_NICENESS, and a SIGINT when the runner dies."""
+    them) and niceness are LIGHT_NICENESS, in cpu cgroup `group` when given, and a SIGINT when the
+    runner dies."""
     from orchestrator.reaper import die_with_parent
 
     die_with_runner = die_with_parent(death_signal=signal.SIGINT)  # built before the fork
+    procs = None if group is None else group / "cgroup.procs"
 
     def preexec() -> None:
         os.setsid()
@@ -101,6 +139,11 @@ def light_lane_preexec():
         except OSError:  # a kernel without autogroups: the niceness alone ranks the lanes
             pass
         os.nice(LIGHT_NICENESS)
+        if procs is not None:
+            try:
+                procs.write_text(str(os.getpid()))
+            except OSError:  # the group went away: the niceness and the autogroup still rank the lane
+                pass
         if die_with_runner is not None:
             die_with_runner()
 

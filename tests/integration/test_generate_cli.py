@@ -9,10 +9,12 @@ import sys
 
 import pytest
 
-pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
+# The light lane (tests/lanes.py): no bound of seconds; each call starts an engine on the CPU the
+# main lane leaves.
+pytestmark = [pytest.mark.engine, pytest.mark.light_lane, pytest.mark.timeout(1200)]
 
 
-def inflight(*args: str, timeout: float = 400) -> subprocess.CompletedProcess:
+def inflight(*args: str, timeout: float = 800) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "orchestrator.commands.cli", *args], capture_output=True,
                           text=True, timeout=timeout)
 
@@ -41,7 +43,7 @@ def test_generate_prints_tokens_logprobs_and_versions(tiny_model_dir):
 def test_bad_input_is_named_and_exits_non_zero(tiny_model_dir, args, needle):
     if "--model" not in args:
         args = ["--model", str(tiny_model_dir), *args]
-    result = inflight("generate", *args, timeout=120)
+    result = inflight("generate", *args, timeout=600)
     assert result.returncode == 2
     assert needle in result.stderr
     assert "Traceback" not in result.stderr
@@ -51,6 +53,6 @@ def test_a_model_directory_without_weights_is_named(tiny_model_dir, tmp_path):
     broken = tmp_path / "no-weights"
     shutil.copytree(tiny_model_dir, broken)
     (broken / "model.safetensors").unlink()
-    result = inflight("generate", "--model", str(broken), "--prompt", "x", timeout=120)
+    result = inflight("generate", "--model", str(broken), "--prompt", "x", timeout=600)
     assert result.returncode == 2
     assert "no weight files" in result.stderr and str(broken) in result.stderr

@@ -20,12 +20,14 @@ from replay.log import read_records
 from replay.records import ActivationRecord, ConsumptionRecord, RolloutRecord, RunMetaRecord
 from tests.integration.lora_helpers import reference_logprobs
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(1200)]
+# The light lane (tests/lanes.py): no bound of seconds, so the timeouts allow for a run that only gets
+# the CPU the main lane leaves (its cpu cgroup holds the run's trainer and engine too).
+pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.light_lane, pytest.mark.timeout(2400)]
 INFLIGHT = [sys.executable, "-m", "orchestrator.commands.cli"]
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "lora.toml"
 
 
-def inflight(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+def inflight(*args: str, timeout: float = 1800) -> subprocess.CompletedProcess:
     return subprocess.run(INFLIGHT + list(args), capture_output=True, text=True, timeout=timeout)
 
 
@@ -103,7 +105,7 @@ def test_resume_continues_and_export_writes_the_adapter_and_the_merged_model(lor
     run_dir, model = lora_run
     # A resume of the finished run exits 0 at once, says so and starts nothing (a user's slip)...
     assert started_engines(run_dir) == 1
-    done = inflight("run", "--run-dir", str(run_dir), "--resume", "--max-steps", "30", timeout=120)
+    done = inflight("run", "--run-dir", str(run_dir), "--resume", "--max-steps", "30", timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     assert "already reached step 30" in done.stdout
     assert started_engines(run_dir) == 1  # nothing started

@@ -105,6 +105,35 @@ def test_the_light_lane_runs_in_a_session_of_its_own_at_its_niceness():
         assert int(group_nice) == LIGHT_NICENESS, out.stdout
 
 
+def cpu_cgroup_of(proc_cgroup: str) -> str:
+    """The cpu controller's group in a /proc/PID/cgroup text ("N:cpu,cpuacct:/path" lines)."""
+    return next(line.split(":", 2)[2] for line in proc_cgroup.splitlines() if "cpu" in line.split(":")[1].split(","))
+
+
+def test_the_light_lane_and_the_sessions_its_tests_start_share_its_cpu_cgroup():
+    """An `inflight run` started by a light test starts sessions of its own (its trainer, its
+    engines): the autogroup's niceness stays behind, the light lane's cpu cgroup does not."""
+    from tests.lanes import CPU_CGROUP, LIGHT_SHARES, light_cgroup, light_lane_preexec
+
+    code = ("import subprocess, sys\n"
+            "child = subprocess.run([sys.executable, '-c', 'import os; print(os.getsid(0) == os.getpid()); "
+            "print(open(\"/proc/self/cgroup\").read())'], start_new_session=True, capture_output=True, text=True)\n"
+            "print(child.stdout, end='')\n")
+    with light_cgroup() as group:
+        if group is None:  # the fallback is for machines where no group can be made
+            with pytest.raises(OSError):
+                (CPU_CGROUP / "inflight-lanes-test").mkdir()
+            return
+        assert (group / "cpu.shares").read_text().strip() == str(LIGHT_SHARES)
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                             preexec_fn=light_lane_preexec(group))
+        leader, cgroups = out.stdout.split("\n", 1)
+        assert leader == "True", out.stdout + out.stderr  # the grandchild led a session of its own
+        assert cpu_cgroup_of(cgroups) == f"/{group.name}", cgroups
+        assert cpu_cgroup_of(open("/proc/self/cgroup").read()) != f"/{group.name}", "only the lane is in it"
+    assert not group.exists(), "removed once the lanes are done"
+
+
 @pytest.mark.timeout(600)
 def test_a_ctrl_c_to_the_runners_group_stops_the_light_lane_too(tmp_path):
     """The light lane is not in the terminal's process group: the runner passes the Ctrl-C on."""
