@@ -106,8 +106,14 @@ def run_lanes(extra: list[str], group: Path | None) -> int:
 def light_cgroup():
     """A cpu cgroup for the light lane at LIGHT_SHARES (None where none can be made), removed after
     the lanes end. A process left in it (one that outlived its test) keeps it: rmdir then fails,
-    and the group stays for that process's life."""
-    group = CPU_CGROUP / f"inflight-light-lane-{os.getpid()}"
+    and the group stays for that process's life; the next runner removes it once it is empty.
+    The group is made inside the runner's own (a runner started by a light test: inside that
+    lane's group, where its weight is a share of that lane's)."""
+    parent = own_cpu_cgroup()
+    for stale in parent.glob("inflight-light-lane-*"):  # left by a runner that was killed
+        with contextlib.suppress(OSError):
+            stale.rmdir()  # refused while a process is in it
+    group = parent / f"inflight-light-lane-{os.getpid()}"
     try:
         group.mkdir()
         (group / "cpu.shares").write_text(str(LIGHT_SHARES))
@@ -121,6 +127,18 @@ def light_cgroup():
         if group is not None:
             with contextlib.suppress(OSError):
                 group.rmdir()
+
+
+def own_cpu_cgroup() -> Path:
+    """This process's cpu cgroup directory, or the controller's mount where that path is not under
+    it (a container whose mount is its own subtree, while /proc names the host's path)."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+        path = next(line.split(":", 2)[2] for line in lines if "cpu" in line.split(":")[1].split(","))
+    except (OSError, StopIteration, IndexError):
+        return CPU_CGROUP
+    own = CPU_CGROUP / path.lstrip("/")
+    return own if own.is_dir() else CPU_CGROUP
 
 
 def light_lane_preexec(group: Path | None = None):

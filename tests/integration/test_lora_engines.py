@@ -96,6 +96,11 @@ async def test_requests_in_flight_finish_on_their_adapter_and_at_most_max_loras_
     long = SamplingSettings(temperature=1.0, max_tokens=400, ignore_eos=True, seed=1)
     seen_in_flight: list[int] = []
     most_loaded = 0
+    # Every version published before the long requests start, as a trainer ahead of the fleet has:
+    # building one (a PEFT model, on this loop) inside the loop below took seconds under load, and
+    # the 400-token requests could end before the first activation.
+    for version in range(3, 23):
+        make_adapter(tiny_model_dir, root, version, seed=100 + version)
     async with anyio.create_task_group() as tg:
         results: list = []
 
@@ -107,7 +112,6 @@ async def test_requests_in_flight_finish_on_their_adapter_and_at_most_max_loras_
         while len(fleet.tracks) < len(PROMPTS) or not any(t.n_tokens for t in fleet.tracks.values()):
             await anyio.sleep(0.01)
         for version in range(3, 23):
-            make_adapter(tiny_model_dir, root, version, seed=100 + version)
             record = await fleet.activate(version)
             assert record.outcome == act.ACTIVATED, record.message
             loaded = await engine.loaded_adapters()

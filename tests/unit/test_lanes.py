@@ -113,7 +113,7 @@ def cpu_cgroup_of(proc_cgroup: str) -> str:
 def test_the_light_lane_and_the_sessions_its_tests_start_share_its_cpu_cgroup():
     """An `inflight run` started by a light test starts sessions of its own (its trainer, its
     engines): the autogroup's niceness stays behind, the light lane's cpu cgroup does not."""
-    from tests.lanes import CPU_CGROUP, LIGHT_SHARES, light_cgroup, light_lane_preexec
+    from tests.lanes import CPU_CGROUP, LIGHT_SHARES, light_cgroup, light_lane_preexec, own_cpu_cgroup
 
     code = ("import subprocess, sys\n"
             "child = subprocess.run([sys.executable, '-c', 'import os; print(os.getsid(0) == os.getpid()); "
@@ -122,15 +122,16 @@ def test_the_light_lane_and_the_sessions_its_tests_start_share_its_cpu_cgroup():
     with light_cgroup() as group:
         if group is None:  # the fallback is for machines where no group can be made
             with pytest.raises(OSError):
-                (CPU_CGROUP / "inflight-lanes-test").mkdir()
+                (own_cpu_cgroup() / "inflight-lanes-test").mkdir()
             return
         assert (group / "cpu.shares").read_text().strip() == str(LIGHT_SHARES)
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                              preexec_fn=light_lane_preexec(group))
         leader, cgroups = out.stdout.split("\n", 1)
         assert leader == "True", out.stdout + out.stderr  # the grandchild led a session of its own
-        assert cpu_cgroup_of(cgroups) == f"/{group.name}", cgroups
-        assert cpu_cgroup_of(open("/proc/self/cgroup").read()) != f"/{group.name}", "only the lane is in it"
+        path = f"/{group.relative_to(CPU_CGROUP)}"  # inside `make test`'s light lane: inside that lane's group
+        assert cpu_cgroup_of(cgroups) == path, cgroups
+        assert cpu_cgroup_of(open("/proc/self/cgroup").read()) != path, "only the lane is in it"
     assert not group.exists(), "removed once the lanes are done"
 
 
