@@ -111,8 +111,9 @@ def light_cgroup():
     lane's group, where its weight is a share of that lane's)."""
     parent = own_cpu_cgroup()
     for stale in parent.glob("inflight-light-lane-*"):  # left by a runner that was killed
-        with contextlib.suppress(OSError):
-            stale.rmdir()  # refused while a process is in it
+        if not Path("/proc", stale.name.rsplit("-", 1)[-1]).exists():  # a live runner's group is its own
+            with contextlib.suppress(OSError):
+                stale.rmdir()  # refused while a process is in it
     group = parent / f"inflight-light-lane-{os.getpid()}"
     try:
         group.mkdir()
@@ -133,12 +134,17 @@ def own_cpu_cgroup() -> Path:
     """This process's cpu cgroup directory, or the controller's mount where that path is not under
     it (a container whose mount is its own subtree, while /proc names the host's path)."""
     try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
-        path = next(line.split(":", 2)[2] for line in lines if "cpu" in line.split(":")[1].split(","))
+        path = cpu_cgroup_in(Path("/proc/self/cgroup").read_text())
     except (OSError, StopIteration, IndexError):
         return CPU_CGROUP
     own = CPU_CGROUP / path.lstrip("/")
     return own if own.is_dir() else CPU_CGROUP
+
+
+def cpu_cgroup_in(proc_cgroup: str) -> str:
+    """The cpu controller's group in a /proc/PID/cgroup text ("N:cpu,cpuacct:/path" lines);
+    StopIteration where no line names that controller."""
+    return next(line.split(":", 2)[2] for line in proc_cgroup.splitlines() if "cpu" in line.split(":")[1].split(","))
 
 
 def light_lane_preexec(group: Path | None = None):

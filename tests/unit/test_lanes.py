@@ -105,15 +105,10 @@ def test_the_light_lane_runs_in_a_session_of_its_own_at_its_niceness():
         assert int(group_nice) == LIGHT_NICENESS, out.stdout
 
 
-def cpu_cgroup_of(proc_cgroup: str) -> str:
-    """The cpu controller's group in a /proc/PID/cgroup text ("N:cpu,cpuacct:/path" lines)."""
-    return next(line.split(":", 2)[2] for line in proc_cgroup.splitlines() if "cpu" in line.split(":")[1].split(","))
-
-
 def test_the_light_lane_and_the_sessions_its_tests_start_share_its_cpu_cgroup():
     """An `inflight run` started by a light test starts sessions of its own (its trainer, its
     engines): the autogroup's niceness stays behind, the light lane's cpu cgroup does not."""
-    from tests.lanes import CPU_CGROUP, LIGHT_SHARES, light_cgroup, light_lane_preexec, own_cpu_cgroup
+    from tests.lanes import CPU_CGROUP, LIGHT_SHARES, cpu_cgroup_in, light_cgroup, light_lane_preexec, own_cpu_cgroup
 
     code = ("import subprocess, sys\n"
             "child = subprocess.run([sys.executable, '-c', 'import os; print(os.getsid(0) == os.getpid()); "
@@ -130,8 +125,8 @@ def test_the_light_lane_and_the_sessions_its_tests_start_share_its_cpu_cgroup():
         leader, cgroups = out.stdout.split("\n", 1)
         assert leader == "True", out.stdout + out.stderr  # the grandchild led a session of its own
         path = f"/{group.relative_to(CPU_CGROUP)}"  # inside `make test`'s light lane: inside that lane's group
-        assert cpu_cgroup_of(cgroups) == path, cgroups
-        assert cpu_cgroup_of(open("/proc/self/cgroup").read()) != path, "only the lane is in it"
+        assert cpu_cgroup_in(cgroups) == path, cgroups
+        assert cpu_cgroup_in(open("/proc/self/cgroup").read()) != path, "only the lane is in it"
     assert not group.exists(), "removed once the lanes are done"
 
 

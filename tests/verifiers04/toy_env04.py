@@ -3,8 +3,9 @@ shape `vf-init` scaffolds, in one module (0.4 finds an environment by its taskse
 that name, exporting its `Taskset` subclass in `__all__`). Each task asks for digits; the reward is
 the share of digits in the model's last reply, with a quarter credit for the separators a list of
 digits uses (spaces, commas), so the tiny model can learn it in a few steps and two replies with no
-digit yet still score apart (a batch of equal rewards gives the trainer no signal). It plays with any harness; the tests use `null` (verifiers' tool-less chat
-program, run as a `uv` script in the runtime)."""
+digit yet still score apart (a batch of equal rewards gives the trainer no signal). It plays with
+any harness; the tests use `null` (verifiers' tool-less chat program, run as a `uv` script in the
+runtime)."""
 
 import verifiers.v1 as vf
 
