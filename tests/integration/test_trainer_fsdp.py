@@ -45,6 +45,7 @@ pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 TOL = 1e-3  # fp32 logprobs, engine vs transformers
 BUCKET = 256 << 10  # several buckets for the tiny model (its embedding, 512 KiB, travels alone)
+ATOL_WEIGHTS = 1e-4  # a published weight against the one-process reference: a thirtieth of a step (lr 3e-3)
 GROUPS, GROUP_SIZE = 2, 4
 SAMPLE = SamplingSettings(temperature=1.0, max_tokens=6, ignore_eos=True)
 GREEDY = SamplingSettings(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -131,7 +132,9 @@ def _check_step(done, ref, run_dir: Path, step: int) -> dict[str, torch.Tensor]:
     assert np.nanmax(unpack_f32(done.log_ratio_max_abs)) < TOL, unpack_f32(done.log_ratio_max_abs)
     assert done.loss == pytest.approx(ref.loss, rel=1e-4, abs=1e-6)
     assert done.metrics["tokens"] == ref.metrics["tokens"]
-    assert done.metrics["ratio_max"] == pytest.approx(ref.metrics["ratio_max"], abs=1e-5)
+    # A ratio of ~1 (on-policy samples), after steps whose weights differ by summation order
+    # (above): 1.1e-5 apart on one machine. A ratio against the wrong logprobs is off by far more.
+    assert done.metrics["ratio_max"] == pytest.approx(ref.metrics["ratio_max"], abs=1e-4)
     assert done.metrics["grad_norm"] == pytest.approx(ref.metrics["grad_norm"], rel=1e-4)
     assert done.metrics["lr"] == ref.metrics["lr"]
     np.testing.assert_allclose(unpack_f32(done.log_ratio_mean), np.asarray(ref.log_ratio_mean, dtype=np.float32),
@@ -152,8 +155,12 @@ def _assert_close_weights(published: dict, reference: dict) -> None:
     for name, tensor in reference.items():
         assert published[name].dtype == torch.float32
         # Adam's first steps move every weight by about lr = 3e-3; a summation order that
-        # differs (two shards) changes them by far less.
-        torch.testing.assert_close(published[name], tensor, atol=2e-5, rtol=0, msg=name)
+        # differs (two shards) changes them by far less, though Adam's normalised update lets it
+        # show in a weight whose gradient is near 0: one element of 16,384 moved 2.08e-5 apart on
+        # one machine (2026-12-06), every run alike. A step missed, repeated or misapplied moves ~lr.
+        diff = (published[name] - tensor).abs()
+        assert float(diff.max()) <= ATOL_WEIGHTS, (f"{name}: {int((diff > ATOL_WEIGHTS).sum())} of {diff.numel()} "
+                                                   f"elements apart by up to {float(diff.max()):.3g}")
 
 
 @pytest.mark.timeout(600)
