@@ -155,9 +155,10 @@ def _assert_close_weights(published: dict, reference: dict) -> None:
     for name, tensor in reference.items():
         assert published[name].dtype == torch.float32
         # Adam's first steps move every weight by about lr = 3e-3; a summation order that
-        # differs (two shards) changes them by far less, though Adam's normalised update lets it
-        # show in a weight whose gradient is near 0: one element of 16,384 moved 2.08e-5 apart on
-        # one machine (2026-12-06), every run alike. A step missed, repeated or misapplied moves ~lr.
+        # differs (two shards) changes them by far less: one element of 16,384 was 2.08e-5 apart on
+        # one machine (2026-12-06), every run alike (likely a near-zero gradient, whose rounding
+        # Adam's normalised update magnifies; not isolated). A step missed, repeated or misapplied
+        # moves ~lr.
         diff = (published[name] - tensor).abs()
         assert float(diff.max()) <= ATOL_WEIGHTS, (f"{name}: {int((diff > ATOL_WEIGHTS).sum())} of {diff.numel()} "
                                                    f"elements apart by up to {float(diff.max()):.3g}")
