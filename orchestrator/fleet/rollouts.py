@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import anyio
+import msgspec
 
 from orchestrator.engines.base import SamplingSettings, VersionSpan
 from orchestrator.errors import ActivationError, EngineDeadError, EngineError, FencedEngineError
@@ -55,14 +56,16 @@ class SwitchReport:
     reported: bool = False
 
 
-@dataclass
-class Track:
+class Track(msgspec.Struct):
+    """One request in flight. (Track and FleetCompletion are structs, not dataclasses: one of
+    each is built for every rollout, and a struct is built in a fraction of the time.)"""
+
     request_id: str
     engine: str
     dispatched_version: int
     started_at: float
-    tokens: list[int] = field(default_factory=list)  # the completion's tokens, as they stream
-    switches: list[tuple[int, int]] = field(default_factory=list)  # (token index, version)
+    tokens: list[int] = msgspec.field(default_factory=list)  # the completion's tokens, as they stream
+    switches: list[tuple[int, int]] = msgspec.field(default_factory=list)  # (token index, version)
     aborted_by_activation: bool = False
     cancel: anyio.CancelScope | None = None
     fenced: bool = False
@@ -81,8 +84,7 @@ class Track:
         return len(self.tokens)
 
 
-@dataclass
-class FleetCompletion:
+class FleetCompletion(msgspec.Struct):
     request_id: str
     engine_id: str
     prompt_token_ids: list[int]
@@ -228,7 +230,10 @@ class RolloutStreams:
         rid = request_id or f"r{uuid.uuid4().hex[:16]}"
         track = Track(rid, target, self.live_version, time.time())
         self.tracks[rid] = track
-        self._tracks_by_engine.setdefault(target, {})[rid] = track
+        on_engine = self._tracks_by_engine.get(target)
+        if on_engine is None:
+            on_engine = self._tracks_by_engine[target] = {}
+        on_engine[rid] = track
         tokens = track.tokens  # extended in place: the track's progress
         logprobs: list[float] = []
         spans = None

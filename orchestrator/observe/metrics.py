@@ -10,6 +10,17 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from replay.records import (
+    DISCARD_STALE,
+    DROP_STALE,
+    ActivationRecord,
+    ConsumptionRecord,
+    DiscardRecord,
+    Dropped,
+    Errored,
+    RolloutRecord,
+)
+
 LAG_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32)
 SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -42,6 +53,7 @@ class RunMetrics:
         # Completed rollouts not yet consumed or discarded -> their completion tokens: what a stale
         # discard (which names only rollout ids) threw away. Entries leave with their rollout.
         self._unsettled_tokens: dict[int, int] = {}
+        self._rollout_children: dict[tuple[str, str], object] = {}  # (status, reason) -> its counter
         self.loop_lag = Gauge("inflight_event_loop_lag_seconds", "How late the event loop woke a 0.25 s sleep",
                               registry=r)
         self.trainer_step = Gauge("inflight_trainer_step", "Trainer optimizer steps done", registry=r)
@@ -56,15 +68,20 @@ class RunMetrics:
 
     def on_record(self, record) -> None:
         """Called for every record the run writes."""
-        from replay.records import DISCARD_STALE, DROP_STALE, ActivationRecord, Dropped, Errored, RolloutRecord
-
         if isinstance(record, RolloutRecord):
             status = record.status
+            name = record.status_name
             reason = status.reason if isinstance(status, Dropped) else status.kind if isinstance(status, Errored) else ""
-            self.rollouts.labels(record.status_name, reason).inc()
-            if record.status_name == "completed":
-                self.tokens.inc(record.num_completion_tokens)
-                self._unsettled_tokens[record.rollout_id] = record.num_completion_tokens
+            # One child a (status, reason), looked up once: `labels` takes a lock and builds
+            # a key on every call, and this runs for every record the run writes.
+            child = self._rollout_children.get((name, reason))
+            if child is None:
+                child = self._rollout_children[(name, reason)] = self.rollouts.labels(name, reason)
+            child.inc()
+            if name == "completed":
+                tokens = len(record.completion_token_ids) // 4
+                self.tokens.inc(tokens)
+                self._unsettled_tokens[record.rollout_id] = tokens
             elif reason == DROP_STALE and isinstance(status, Dropped):
                 self.dropped_stale_tokens.inc(record.num_completion_tokens)
         elif isinstance(record, ActivationRecord):
@@ -72,12 +89,12 @@ class RunMetrics:
             for engine in record.engines:
                 self.activation.labels("transfer").observe(engine.transfer_s)
                 self.activation.labels("pause").observe(engine.pause_s)
-        elif type(record).__name__ == "DiscardRecord":
+        elif isinstance(record, DiscardRecord):
             self.discarded.labels(record.reason).inc(len(record.rollout_ids))
             tokens = sum(self._unsettled_tokens.pop(rid, 0) for rid in record.rollout_ids)
             if record.reason == DISCARD_STALE:
                 self.dropped_stale_tokens.inc(tokens)
-        elif type(record).__name__ == "ConsumptionRecord":
+        elif isinstance(record, ConsumptionRecord):
             for rid in record.rollout_ids:
                 self._unsettled_tokens.pop(rid, None)
 

@@ -22,7 +22,6 @@ reason "length"), never errored: a retry would only remove long episodes from th
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import msgspec
@@ -182,4 +181,4 @@ def _finish(loop, d, entry, turns: EpisodeTurns, outcome: str, kind: str = "", m
 def _keep_prompt(entry, turns: EpisodeTurns) -> None:
     """The record's prompt is the episode's first (known once the episode began)."""
     if turns.episode is not None and entry.ctx is not None:
-        entry.ctx = dataclasses.replace(entry.ctx, prompt_token_ids=tuple(turns.episode.prompt_ids))
+        entry.ctx = msgspec.structs.replace(entry.ctx, prompt_token_ids=tuple(turns.episode.prompt_ids))

@@ -18,6 +18,7 @@ import time
 
 import anyio
 
+from orchestrator.errors import ActivationError, EngineError
 from orchestrator.observe.logging import get_logger
 from orchestrator.observe.progress import StepLine
 from orchestrator.run.activator import run_activator
@@ -156,7 +157,8 @@ class RunLoop:
                 await self._fetch_prompts(batch)
                 entries, started = [], []
                 for d in batch:
-                    ctx = await self._context(d.rollout_id)
+                    # Its prompt fetched above (most): no coroutine a rollout.
+                    ctx = self._known_context(d.rollout_id) or await self._context(d.rollout_id)
                     if d.rollout_id in self.run.scheduler.rollouts:  # not ended meanwhile (a stop)
                         entries.append(JournalEntry(d.rollout_id, d.group_id, d.engine, d.version, ctx.dispatched_at))
                         started.append(d)
@@ -172,19 +174,21 @@ class RunLoop:
             await self._rollout(await ready.take())
 
     async def _context(self, rollout_id: int) -> RolloutContext:
+        ctx = self._known_context(rollout_id)
+        if ctx is None:  # its group's prompt is not here yet: the task's code gives it
+            group_id = self.inflight[rollout_id].dispatch.group_id
+            self.prompts[group_id] = await self.run.task.prompt(group_id)
+            ctx = self._known_context(rollout_id)
+        return ctx
+
+    def _known_context(self, rollout_id: int) -> RolloutContext | None:
+        """The rollout's context where nothing must be awaited for it (its prompt is here), else None."""
         entry = self.inflight[rollout_id]
-        if entry.ctx is None:
+        if entry.ctx is None and (prompt := self.prompts.get(entry.dispatch.group_id)) is not None:
             d = entry.dispatch
-            prompt = await self._prompt(d.group_id)
             entry.ctx = RolloutContext(rollout_id, d.group_id, prompt.prompt_id, tuple(prompt.token_ids),
                                        entry.dispatched_at, d.version, d.engine)
         return entry.ctx
-
-    async def _prompt(self, group_id: int):
-        prompt = self.prompts.get(group_id)
-        if prompt is None:
-            prompt = self.prompts[group_id] = await self.run.task.prompt(group_id)
-        return prompt
 
     async def _fetch_prompts(self, batch: list) -> None:
         """The prompts of a batch's new groups, fetched together: each is a call into the task's
@@ -209,8 +213,6 @@ class RunLoop:
             failed[group_id] = exc
 
     async def _rollout(self, d: sch.Dispatch) -> None:
-        from orchestrator.errors import ActivationError, EngineError
-
         entry = self.inflight[d.rollout_id]
         ctx = entry.ctx
         completion = None

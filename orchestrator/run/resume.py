@@ -30,8 +30,7 @@ _encode = msgspec.json.encode
 CRASHED = "crashed"  # drop reason of a rollout that was in flight when the orchestrator died
 
 
-@dataclass(frozen=True)
-class JournalEntry:
+class JournalEntry(msgspec.Struct, frozen=True):
     rollout_id: int
     group_id: int
     engine: str

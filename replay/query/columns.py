@@ -126,7 +126,9 @@ class ColumnBuilder:
     def __init__(self) -> None:
         self._engines, self._reasons, self._kinds, self._outcomes, self._discards = (
             _Vocabulary(), _Vocabulary(), _Vocabulary(), _Vocabulary(), _Vocabulary())
-        self._rollout: dict[str, list[Any]] = {name: [] for name in ROLLOUT_DTYPES}
+        # Rows added one by one: a tuple each, in ROLLOUT_DTYPES's order (one append a record,
+        # not one per column: the live statistics add every record the run writes).
+        self._pending_rows: list[tuple] = []
         self._seg_row: list[int] = []
         self._seg_version: list[int] = []
         self._seg_tokens: list[int] = []
@@ -179,12 +181,20 @@ class ColumnBuilder:
         else:
             detail = -1
         n_tokens = len(rec.completion_token_ids) // 4
-        values = int32_values(rec.version_values)
         env_tokens = 0
-        if values:
+        values_blob = rec.version_values
+        if len(values_blob) == 4 and not rec.environment_spans:  # one version run: the common case
+            first = last = int.from_bytes(values_blob, "little", signed=True)
+            n_versions = 1
+            self._seg_row.append(row)
+            self._seg_version.append(first)
+            self._seg_tokens.append(n_tokens)
+        elif values_blob:
+            values = int32_values(values_blob)
             starts = int32_values(rec.version_starts)
             ends = starts[1:] + [n_tokens]
-            self._seg_row.extend([row] * len(values))
+            n_versions = len(values)
+            self._seg_row.extend([row] * n_versions)
             self._seg_version.extend(values)
             if rec.environment_spans:  # token statistics count what was sampled
                 sampled = np.concatenate([[0], np.cumsum(rec.sampled_mask())])
@@ -195,22 +205,15 @@ class ColumnBuilder:
             first, last = values[0], values[-1]
         else:
             first = last = rec.dispatched_version
+            n_versions = 0
         reward = rec.rewards.get(REWARD_KEY) if rec.rewards else None
-        columns = self._rollout
-        columns["rollout_id"].append(rec.rollout_id)
-        columns["engine"].append(self._engines(rec.engine_id))
-        columns["status"].append(_STATUS_CODE[type(status)])
-        columns["detail"].append(detail)
-        columns["dispatched"].append(rec.dispatched_version)
-        columns["span_start"].append(first)
-        columns["span_end"].append(last)
-        columns["n_versions"].append(len(values))
-        columns["n_tokens"].append(n_tokens - env_tokens)
-        columns["reward"].append(math.nan if reward is None else float(reward))
-        columns["env_tokens"].append(env_tokens)
-        columns["turns"].append(rec.turns)
-        columns["truncated"].append(NO_FINISH_REASON if rec.finish_reason is None
-                                    else int(rec.finish_reason == FINISH_LENGTH))
+        finish = rec.finish_reason
+        # In ROLLOUT_DTYPES's order.
+        self._pending_rows.append((
+            rec.rollout_id, self._engines(rec.engine_id), _STATUS_CODE[type(status)], detail,
+            rec.dispatched_version, first, last, n_versions, n_tokens - env_tokens,
+            math.nan if reward is None else float(reward), env_tokens, rec.turns,
+            NO_FINISH_REASON if finish is None else int(finish == FINISH_LENGTH)))
         self._discarded.append(NOT_DISCARDED)
         if self._ledger.pending:  # a claim may have come before this rollout: the ledger decides
             self._consumed.append(NOT_CONSUMED)
@@ -219,7 +222,7 @@ class ColumnBuilder:
             own = rec.consumed_step
             self._consumed.append(NOT_CONSUMED if own is None else own)
         self._row_of.add(rec.rollout_id, row)
-        if len(self._rollout["rollout_id"]) >= _FLUSH_ROWS:
+        if len(self._pending_rows) >= _FLUSH_ROWS:
             self._flush()
 
     def add_claims(self, rec: ConsumptionRecord | DiscardRecord) -> None:
@@ -308,15 +311,16 @@ class ColumnBuilder:
 
     def _flush(self) -> None:
         """Turn the rows added one by one into a chunk."""
-        if not self._rollout["rollout_id"]:
+        if not self._pending_rows:
             return
-        chunk = {name: np.array(values, ROLLOUT_DTYPES[name]) for name, values in self._rollout.items()}
+        columns = zip(*self._pending_rows, strict=True)
+        chunk = {name: np.array(values, dtype) for (name, dtype), values in zip(ROLLOUT_DTYPES.items(), columns,
+                                                                               strict=True)}
         for name, values in (("seg_row", self._seg_row), ("seg_version", self._seg_version),
                              ("seg_tokens", self._seg_tokens)):
             chunk[name] = np.array(values, RUN_DTYPES[name])
             values.clear()
-        for values in self._rollout.values():
-            values.clear()
+        self._pending_rows.clear()
         self._chunks.append(chunk)
 
     def build(self) -> Columns:

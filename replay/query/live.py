@@ -37,6 +37,14 @@ class LiveStats:
             self._builder.add(record)
             self._records += 1
 
+    def add_many(self, records) -> None:
+        """`add` for each, under one take of the lock."""
+        with self._lock:
+            add = self._builder.add
+            for record in records:
+                add(record)
+            self._records += len(records)
+
     def snapshot(self, filters: Filters | None = None, *, log_info: dict[str, Any]) -> dict[str, Any]:
         with self._lock:
             columns = self._builder.build()

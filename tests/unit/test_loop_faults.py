@@ -218,6 +218,10 @@ async def test_a_row_that_failed_in_a_wave_is_asked_for_again_later_not_remember
         await run.loop._fetch_prompts(batch)
     assert set(run.loop.prompts) == {0, 2}
     rows.fail_at = None  # a transient failure: a later read (a stop's records) asks the task again
-    assert (await run.loop._prompt(1)).prompt_id == "bench"
+    from orchestrator.run.records import InFlight
+
+    run.loop.inflight[batch[1].rollout_id] = InFlight(batch[1], 0.0)
+    assert (await run.loop._context(batch[1].rollout_id)).prompt_id == "bench"
+    assert set(run.loop.prompts) == {0, 1, 2}
     run.recorder.close()
     run.journal.close()

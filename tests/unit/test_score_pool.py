@@ -465,3 +465,45 @@ async def test_a_thread_scorers_timeout_counts_the_call_not_its_wait_for_a_threa
         for _ in range(8):
             tg.start_soon(one)
     assert results == [{"reward": 1.0}] * 8
+
+
+async def test_one_timer_bounds_every_call_from_its_own_start():
+    """The scorer keeps one timer a loop for all its calls: a call started after that timer was
+    set (by an earlier, quick one) still fails at its own time, never before it, and quick calls
+    beside it are untouched."""
+    import threading
+    import time
+
+    release = threading.Event()
+
+    class Task:
+        def score_sync(self, prompt, ids):
+            if prompt == "hang":
+                release.wait(30)  # hangs until the test ends
+            return {"reward": float(len(ids))}
+
+    scorer = Scorer(Task(), workers=4, timeout_s=0.5)
+    try:
+        assert await scorer.score("ok", [1]) == {"reward": 1.0}  # sets the timer, then finishes
+        await anyio.sleep(0.3)
+        outcomes: dict[str, object] = {}
+
+        async def hung(name: str) -> None:
+            started = time.monotonic()
+            try:
+                await scorer.score("hang", [1])
+            except ScoreFailed as exc:
+                outcomes[name] = (exc.kind, time.monotonic() - started)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(hung, "first")
+            await anyio.sleep(0.2)
+            tg.start_soon(hung, "second")  # started after the first's: due later
+            quick = [await scorer.score("ok", [1, 2]) for _ in range(3)]
+        assert quick == [{"reward": 2.0}] * 3
+        for name in ("first", "second"):
+            kind, waited = outcomes[name]
+            assert kind == REWARD_TIMEOUT, outcomes
+            assert waited >= 0.5 * 0.98, outcomes  # never before its own timeout
+    finally:
+        release.set()
