@@ -133,6 +133,8 @@ def spans_cover(spans, n: int) -> bool:
     """Whether the engine's version spans label exactly tokens 0..n, contiguously."""
     if not spans:
         return False
+    if len(spans) == 1:  # one version, first token to last: nearly every rollout
+        return spans[0].start == 0 and spans[0].end == n > 0
     covered = [s for s in spans if s.end > s.start]
     return bool(covered) and covered[0].start == 0 and spans[-1].end == n and all(
         a.end == b.start for a, b in zip(spans, spans[1:]))
@@ -144,6 +146,8 @@ def change_points(spans, n: int, dispatched_version: int, switches: list[tuple[i
     reported ((k, v): from token k on, at least version v: the worker swapped before it)."""
     if n == 0:
         return []
+    if not switches and spans and len(spans) == 1 and spans[0].start == 0 and spans[0].end == n:
+        return [(0, spans[0].version)]  # one version, no switch: nearly every rollout
     base: list[tuple[int, int]] = [(0, dispatched_version)]
     if spans_cover(spans, n):
         base = [(s.start, s.version) for s in spans if s.end > s.start]
