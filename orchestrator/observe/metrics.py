@@ -79,7 +79,7 @@ class RunMetrics:
                 child = self._rollout_children[(name, reason)] = self.rollouts.labels(name, reason)
             child.inc()
             if name == "completed":
-                tokens = len(record.completion_token_ids) // 4
+                tokens = record.num_completion_tokens
                 self.tokens.inc(tokens)
                 self._unsettled_tokens[record.rollout_id] = tokens
             elif reason == DROP_STALE and isinstance(status, Dropped):

@@ -99,16 +99,19 @@ class Recorder:
     def preload(self, records) -> None:
         """Records already in the log (a resumed run): counted by the live statistics and the
         metrics, not written again."""
+        records = list(records)
         with self._stats_lock:
-            for record in records:
-                self.submitted += 1
-                self.written += 1
-                self._accepted(record)
+            self.submitted += len(records)
+            self._accepted(records)
 
-    def _accepted(self, record: Record) -> None:
-        self.live.add(record)
+    def _accepted(self, records: list[Record]) -> None:
+        """(Under the statistics' lock.) Records the log holds: counted, and fed to the live
+        statistics and the metrics."""
+        self.written += len(records)
+        self.live.add_many(records)
         if self._on_record is not None:
-            self._on_record(record)
+            for record in records:
+                self._on_record(record)
 
     async def flush(self, timeout_s: float = 60.0) -> None:
         """Wait until everything submitted so far is durable."""
@@ -180,11 +183,7 @@ class Recorder:
                 break
         try:
             with self._stats_lock:
-                self.written += len(accepted)
-                self.live.add_many(accepted)
-                if self._on_record is not None:
-                    for record in accepted:
-                        self._on_record(record)
+                self._accepted(accepted)
         except BaseException as exc:
             self._failure = exc
             log.error("recording.writer_failed", error=repr(exc))

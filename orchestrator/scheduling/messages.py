@@ -15,6 +15,7 @@ from typing import Literal
 
 import msgspec
 
+
 class SchedulerError(RuntimeError):
     """An event the scheduler's state does not allow (a bug in the caller)."""
 

@@ -204,7 +204,7 @@ def _as_blob(values: Sequence[int] | Sequence[float] | np.ndarray, dtype: np.dty
 
 
 def _packer(code: str, n: int):
-    if len(_PACKERS) >= _PACKERS_KEPT:  # lengths a run has not used for a while go
+    if len(_PACKERS) >= _PACKERS_KEPT:  # bounded: start again (a run uses a few thousand lengths)
         _PACKERS.clear()
     pack = _PACKERS[(code, n)] = struct.Struct(f"<{n}{code}").pack
     return pack
