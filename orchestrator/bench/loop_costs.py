@@ -18,10 +18,19 @@ cost is a command's output, not a one-off script's:
   rollout beyond the bare group's whatever its chunks (dispatch, the request's track, scoring,
   the scheduler, the record, the writer's share), `loop_us_per_chunk` and `bare_us_per_chunk` what
   each further chunk costs the loop and the bare group.
+* `loop_ablations_c64` (`--loop-ablations N`): the loop with one of its features taken out at a
+  time, in N rounds that alternate the variants (medians, wall µs a rollout, and the process's
+  CPU), so that what each feature costs the run is measured beside the whole, in one run:
+  `scoring_inline` scores on the loop (no thread hop), `records_not_written` keeps every record
+  the loop builds but hands none to the replay writer (no encoding, log, statistics or metrics),
+  `steps_8x_rarer` a batch eight times as large (a trainer step's bookkeeping and activation
+  shared by eight times as many rollouts); and `record_build_us`, `build_rollout_record` alone on
+  a rollout the run's fleet streamed from the fake engine.
 """
 
 from __future__ import annotations
 
+import statistics
 import sys
 import threading
 import time
@@ -87,3 +96,74 @@ async def loop_split(orchestrator_rate, bare_rate, rollouts: int, tokens: int, c
         split["bare_us_per_chunk"] = (us(bare_streamed) - us(bare_one)) / (chunks - 1)
     return {f"orchestrator_c{concurrency}_one_chunk": one, f"bare_c{concurrency}_one_chunk": bare_one,
             f"loop_split_c{concurrency}": split}
+
+
+# ---------------------------------------------------------------------------------------------
+# Ablations: what each feature costs, the loop without it beside the loop with it.
+
+ABLATIONS = {  # variant -> orchestrator_rate's keyword arguments
+    "full": {"record_build": True},
+    "scoring_inline": {"pool": "inline"},
+    "records_not_written": {"recording": False},
+    "steps_8x_rarer": {"batch_scale": 8},
+}
+
+
+class UnwrittenRecords:
+    """A recorder that keeps count and writes nothing (`records_not_written`): no encoding, no
+    log, no writer thread, no statistics or metrics."""
+
+    def __init__(self) -> None:
+        self.submitted = 0
+        self.written = 0
+        self.last = None
+
+    def submit(self, record) -> None:
+        self.submitted += 1
+        self.last = record
+
+    async def flush(self, timeout_s: float = 60.0) -> None:
+        return None
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        return None
+
+
+async def loop_ablations(orchestrator_rate, rollouts: int, rounds: int, concurrency: int = 64) -> dict:
+    """`loop_ablations_c64`: each variant of ABLATIONS once a round, in turn; medians."""
+    rows: dict[str, list[dict]] = {name: [] for name in ABLATIONS}
+    for _ in range(rounds):
+        for name, kwargs in ABLATIONS.items():
+            rows[name].append(await orchestrator_rate(concurrency, rollouts, **kwargs))
+    us = lambda row: 1e6 / row["rollouts_per_s"]  # noqa: E731 - wall µs a rollout
+    out: dict = {"rounds": rounds, "rollouts": rollouts}
+    for name, runs in rows.items():
+        out[f"{name}_us"] = statistics.median(us(r) for r in runs)
+        cpu = [r["cpu_us_per_rollout_by_thread"]["process"] for r in runs if r.get("cpu_us_per_rollout_by_thread")]
+        if cpu:
+            out[f"{name}_process_cpu_us"] = statistics.median(cpu)
+        if name != "full":
+            out[f"{name}_saves_us"] = out["full_us"] - out[f"{name}_us"]
+    built = rows["full"][-1].get("record_build_us")
+    if built is not None:
+        out["record_build_us"] = built
+    return {f"loop_ablations_c{concurrency}": out}
+
+
+async def record_build_us(run, repeat: int = 2000) -> float:
+    """`build_rollout_record` alone, µs a call, on a rollout the run's fleet streams from its fake
+    engine (the loop's inputs: its context, outcome, completion and rewards)."""
+    from orchestrator.run.recording import RolloutContext, build_rollout_record
+    from orchestrator.scheduling.scheduler import Terminal
+
+    prompt = (await run.task.prompt(0)).token_ids
+    completion = await run.fleet.generate(prompt, run.sampling, request_id="rollout-0", redispatch=False,
+                                          final_only=True)
+    ctx = RolloutContext(0, 0, "bench", tuple(prompt), time.time(), completion.dispatched_version,
+                         completion.engine_id)
+    terminal = Terminal(rollout_id=0, status="completed")
+    rewards = run.task.score_sync(None, completion.token_ids)
+    started = time.perf_counter()
+    for _ in range(repeat):
+        build_rollout_record(ctx, terminal, completion, rewards, identity=run.identity, sampling=run.sampling)
+    return 1e6 * (time.perf_counter() - started) / repeat

@@ -75,6 +75,9 @@ def register(bench_sub) -> None:
                    help="join_to_first_rollout_s: a fleet of this many fake engines that one more joins (0: skip)")
     p.add_argument("--fleet-scale-slow-ms", type=float, default=200.0,
                    help="fleet_scale_slow_engine: one of 64 engines answers every swap RPC this late (0: skip)")
+    p.add_argument("--loop-ablations", type=int, default=0, metavar="ROUNDS",
+                   help="loop_ablations_c64: the c64 loop with one feature taken out at a time (scoring inline, "
+                        "records not written, steps 8x rarer), ROUNDS alternating rounds (0: skip)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=bench_command)
 
@@ -211,7 +214,7 @@ class BenchRun:
 
     def __init__(self, run_dir: Path, concurrency: int, rollouts: int, score_ms: float = 0.0,
                  tokens: int = TOKENS, pool: str = "thread", chunk_delay_s: float = 0.0, engines: int = 1,
-                 chunk: int = CHUNK) -> None:
+                 chunk: int = CHUNK, recording: bool = True, batch_scale: int = 1) -> None:
         from orchestrator.config.run import RunConfig, RunSection, SchedulerConfig
         from orchestrator.fleet.fleet import Fleet
         from orchestrator.observe.metrics import RunMetrics
@@ -224,7 +227,7 @@ class BenchRun:
         from replay.records import PolicyIdentity, SamplingSettings
 
         group = 8
-        batch_groups = max(1, concurrency // group)
+        batch_groups = max(1, concurrency // group) * batch_scale
         batch = group * batch_groups
         self.max_steps = max(2, rollouts // batch)
         scheduler = SchedulerConfig(group_size=group, batch_groups=batch_groups, max_off_policy_steps=4,
@@ -232,7 +235,12 @@ class BenchRun:
         self.config = RunConfig(scheduler=scheduler, run=RunSection(shutdown_grace_s=30.0))
         self.run_dir = run_dir
         self.metrics = RunMetrics()
-        self.recorder = Recorder(run_dir, on_record=self.metrics.on_record)
+        if recording:
+            self.recorder = Recorder(run_dir, on_record=self.metrics.on_record)
+        else:  # loop_ablations' records_not_written
+            from orchestrator.bench.loop_costs import UnwrittenRecords
+
+            self.recorder = UnwrittenRecords()
         self.journal = DispatchJournal(run_dir)
         ids = [f"fake-{i}" for i in range(engines)]
         self.fleet = Fleet([fake_engine(e, tokens, chunk_delay_s, chunk=chunk) for e in ids])
@@ -258,16 +266,19 @@ class BenchRun:
 
 async def orchestrator_rate(concurrency: int, rollouts: int, score_ms: float = 0.0, pool: str = "thread",
                             chunk_delay_s: float = 0.0, tokens: int = TOKENS, engines: int = 1,
-                            loop_lags: list[float] | None = None, chunk: int = CHUNK) -> dict:
+                            loop_lags: list[float] | None = None, chunk: int = CHUNK, recording: bool = True,
+                            batch_scale: int = 1, record_build: bool = False) -> dict:
     """Rollouts/s of the real RunLoop, and the event loop thread's CPU per rollout (and every
     thread's: `loop_costs.cpu_by_role`). `engines` fake engines share the rollouts; `loop_lags`
-    (a list) gets the event loop's lag, sampled all along (`sample_loop_lag`)."""
-    from orchestrator.bench.loop_costs import cpu_by_role, thread_cpu_s
+    (a list) gets the event loop's lag, sampled all along (`sample_loop_lag`). `recording`,
+    `batch_scale`, `record_build`: see `loop_costs.loop_ablations`."""
+    from orchestrator.bench.loop_costs import cpu_by_role, record_build_us, thread_cpu_s
     from orchestrator.run.loop import RunLoop
 
     with tempfile.TemporaryDirectory(prefix="inflight-bench-") as tmp:
         run = BenchRun(Path(tmp), concurrency, rollouts, score_ms, tokens=tokens, pool=pool,
-                       chunk_delay_s=chunk_delay_s, engines=engines, chunk=chunk)
+                       chunk_delay_s=chunk_delay_s, engines=engines, chunk=chunk, recording=recording,
+                       batch_scale=batch_scale)
         loop = RunLoop(run)
         run.loop = loop
         await run.scorer.start()
@@ -291,6 +302,8 @@ async def orchestrator_rate(concurrency: int, rollouts: int, score_ms: float = 0
                "records": run.recorder.written, "loop_cpu_us_per_rollout": 1e6 * cpu / consumed}
         if threads is not None:
             row["cpu_us_per_rollout_by_thread"] = threads
+        if record_build:
+            row["record_build_us"] = await record_build_us(run)
         return row
 
 
@@ -377,6 +390,10 @@ async def run_bench(args: argparse.Namespace) -> dict:
             from orchestrator.bench.loop_costs import loop_split
 
             result.update(await loop_split(orchestrator_rate, bare_rate, n, TOKENS, CHUNK, orch, bare))
+    if args.loop_ablations:
+        from orchestrator.bench.loop_costs import loop_ablations
+
+        result.update(await loop_ablations(orchestrator_rate, args.rollouts, args.loop_ablations))
     if 64 in rates and 8192 in rates:
         result["scale_ratio_8192_vs_64"] = rates[8192] / rates[64]
     score_rollouts = args.rollouts if args.score_rollouts is None else args.score_rollouts

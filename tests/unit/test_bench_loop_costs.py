@@ -72,3 +72,21 @@ async def test_the_loop_rows_name_the_threads_and_split_the_cost():
     assert out["orchestrator_c16_one_chunk"]["records"] >= out["orchestrator_c16_one_chunk"]["rollouts"]
     one = await loop_split(orchestrator_rate, bare_rate, 256, TOKENS, TOKENS, streamed, bare, concurrency=16)
     assert "loop_us_per_chunk" not in one["loop_split_c16"]  # one chunk already: nothing a chunk to tell
+
+
+async def test_the_ablations_take_out_one_feature_each_and_the_full_loop_writes_every_record():
+    full = await orchestrator_rate(16, 256, record_build=True)
+    assert full["records"] >= full["rollouts"] and full["record_build_us"] > 0
+    unwritten = await orchestrator_rate(16, 256, recording=False)
+    assert unwritten["records"] == 0 and unwritten["rollouts"] >= 256  # the loop ran whole, nothing written
+    assert unwritten["cpu_us_per_rollout_by_thread"].get("replay_writer", 0.0) == 0.0  # no writer thread
+    rarer = await orchestrator_rate(16, 256, batch_scale=8)
+    assert rarer["rollouts"] >= 256 and rarer["rollouts"] % (16 * 8) == 0  # whole batches eight times as large
+    from orchestrator.bench.loop_costs import ABLATIONS, loop_ablations
+
+    out = (await loop_ablations(orchestrator_rate, 256, rounds=1, concurrency=16))["loop_ablations_c16"]
+    for name in ABLATIONS:
+        assert out[f"{name}_us"] > 0
+        if name != "full":
+            assert out[f"{name}_saves_us"] == pytest.approx(out["full_us"] - out[f"{name}_us"])
+    assert out["record_build_us"] > 0 and out["rounds"] == 1
