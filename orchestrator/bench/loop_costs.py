@@ -109,6 +109,19 @@ ABLATIONS = {  # variant -> orchestrator_rate's keyword arguments
 }
 
 
+def ablation_rounds(value: str) -> int:
+    """`--loop-ablations`' argument: 0 (skip) or more rounds."""
+    import argparse
+
+    try:
+        rounds = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"rounds must be a whole number, got {value!r}") from None
+    if rounds < 0:
+        raise argparse.ArgumentTypeError(f"rounds must be 0 (skip) or more, got {rounds}")
+    return rounds
+
+
 class UnwrittenRecords:
     """A recorder that keeps count and writes nothing (`records_not_written`): no encoding, no
     log, no writer thread, no statistics or metrics."""

@@ -75,7 +75,9 @@ def register(bench_sub) -> None:
                    help="join_to_first_rollout_s: a fleet of this many fake engines that one more joins (0: skip)")
     p.add_argument("--fleet-scale-slow-ms", type=float, default=200.0,
                    help="fleet_scale_slow_engine: one of 64 engines answers every swap RPC this late (0: skip)")
-    p.add_argument("--loop-ablations", type=int, default=0, metavar="ROUNDS",
+    from orchestrator.bench.loop_costs import ablation_rounds
+
+    p.add_argument("--loop-ablations", type=ablation_rounds, default=0, metavar="ROUNDS",
                    help="loop_ablations_c64: the c64 loop with one feature taken out at a time (scoring inline, "
                         "records not written, steps 8x rarer), ROUNDS alternating rounds (0: skip)")
     p.add_argument("--json", action="store_true", help="print JSON")

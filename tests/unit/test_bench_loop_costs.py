@@ -90,3 +90,14 @@ async def test_the_ablations_take_out_one_feature_each_and_the_full_loop_writes_
         if name != "full":
             assert out[f"{name}_saves_us"] == pytest.approx(out["full_us"] - out[f"{name}_us"])
     assert out["record_build_us"] > 0 and out["rounds"] == 1
+
+
+def test_a_bad_number_of_ablation_rounds_is_refused_naming_it():
+    import argparse
+
+    from orchestrator.bench.loop_costs import ablation_rounds
+
+    assert ablation_rounds("3") == 3 and ablation_rounds("0") == 0
+    for bad in ("-1", "x", "2.5"):
+        with pytest.raises(argparse.ArgumentTypeError, match=repr(bad) if not bad.startswith("-") else "-1"):
+            ablation_rounds(bad)
