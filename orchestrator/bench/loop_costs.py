@@ -129,11 +129,9 @@ class UnwrittenRecords:
     def __init__(self) -> None:
         self.submitted = 0
         self.written = 0
-        self.last = None
 
     def submit(self, record) -> None:
         self.submitted += 1
-        self.last = record
 
     async def flush(self, timeout_s: float = 60.0) -> None:
         return None
