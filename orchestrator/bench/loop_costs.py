@@ -24,8 +24,12 @@ cost is a command's output, not a one-off script's:
   `scoring_inline` scores on the loop (no thread hop), `records_not_written` keeps every record
   the loop builds but hands none to the replay writer (no encoding, log, statistics or metrics),
   `steps_8x_rarer` a batch eight times as large (a trainer step's bookkeeping and activation
-  shared by eight times as many rollouts); and `record_build_us`, `build_rollout_record` alone on
-  a rollout the run's fleet streamed from the fake engine.
+  shared by eight times as many rollouts), `neither_written_nor_scored_off_loop` both of the
+  first two at once (what is left: dispatch, the fleet's stream, the scheduler, the record's
+  build, the steps); `bare_us`, the bare task group in the same rounds, and `<variant>_ratio`,
+  bare over the variant (as `overhead_ratio_c64`): the ratio the loop would reach with that
+  feature free; and `record_build_us`, `build_rollout_record` alone on a rollout the run's fleet
+  streamed from the fake engine.
 """
 
 from __future__ import annotations
@@ -106,6 +110,7 @@ ABLATIONS = {  # variant -> orchestrator_rate's keyword arguments
     "scoring_inline": {"pool": "inline"},
     "records_not_written": {"recording": False},
     "steps_8x_rarer": {"batch_scale": 8},
+    "neither_written_nor_scored_off_loop": {"recording": False, "pool": "inline"},
 }
 
 
@@ -140,14 +145,19 @@ class UnwrittenRecords:
         return None
 
 
-async def loop_ablations(orchestrator_rate, rollouts: int, rounds: int, concurrency: int = 64) -> dict:
-    """`loop_ablations_c64`: each variant of ABLATIONS once a round, in turn; medians."""
+async def loop_ablations(orchestrator_rate, bare_rate, rollouts: int, rounds: int, concurrency: int = 64) -> dict:
+    """`loop_ablations_c64`: each variant of ABLATIONS once a round, in turn, then the bare group;
+    medians."""
     rows: dict[str, list[dict]] = {name: [] for name in ABLATIONS}
+    bare: list[dict] = []
     for _ in range(rounds):
         for name, kwargs in ABLATIONS.items():
             rows[name].append(await orchestrator_rate(concurrency, rollouts, **kwargs))
+        bare.append(await bare_rate(concurrency, rollouts))
     us = lambda row: 1e6 / row["rollouts_per_s"]  # noqa: E731 - wall µs a rollout
     out: dict = {"rounds": rounds, "rollouts": rollouts}
+    if bare:
+        out["bare_us"] = statistics.median(us(r) for r in bare)
     for name, runs in rows.items():
         out[f"{name}_us"] = statistics.median(us(r) for r in runs)
         cpu = [r["cpu_us_per_rollout_by_thread"]["process"] for r in runs if r.get("cpu_us_per_rollout_by_thread")]
@@ -155,6 +165,8 @@ async def loop_ablations(orchestrator_rate, rollouts: int, rounds: int, concurre
             out[f"{name}_process_cpu_us"] = statistics.median(cpu)
         if name != "full":
             out[f"{name}_saves_us"] = out["full_us"] - out[f"{name}_us"]
+        if bare:
+            out[f"{name}_ratio"] = out["bare_us"] / out[f"{name}_us"]
     built = rows["full"][-1].get("record_build_us")
     if built is not None:
         out["record_build_us"] = built

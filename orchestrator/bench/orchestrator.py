@@ -79,7 +79,8 @@ def register(bench_sub) -> None:
 
     p.add_argument("--loop-ablations", type=ablation_rounds, default=0, metavar="ROUNDS",
                    help="loop_ablations_c64: the c64 loop with one feature taken out at a time (scoring inline, "
-                        "records not written, steps 8x rarer), ROUNDS alternating rounds (0: skip)")
+                        "records not written, steps 8x rarer, the first two at once) beside the bare group, ROUNDS "
+                        "alternating rounds (0: skip)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=bench_command)
 
@@ -395,7 +396,7 @@ async def run_bench(args: argparse.Namespace) -> dict:
     if args.loop_ablations:
         from orchestrator.bench.loop_costs import loop_ablations
 
-        result.update(await loop_ablations(orchestrator_rate, args.rollouts, args.loop_ablations))
+        result.update(await loop_ablations(orchestrator_rate, bare_rate, args.rollouts, args.loop_ablations))
     if 64 in rates and 8192 in rates:
         result["scale_ratio_8192_vs_64"] = rates[8192] / rates[64]
     score_rollouts = args.rollouts if args.score_rollouts is None else args.score_rollouts

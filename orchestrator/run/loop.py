@@ -84,6 +84,8 @@ class RunLoop:
     # -- the task group ----------------------------------------------------------------------
     async def main(self, restored_actions: list) -> None:
         self.guard.step(time.monotonic())  # the stall is counted from the first rollout, not the start-up
+        # Read when /metrics is scraped: set on every rollout's start and end it took a lock each time.
+        self.run.metrics.inflight.set_function(lambda: self.run.scheduler.inflight)
         async with anyio.create_task_group() as tg:
             self._tg = tg
             tg.start_soon(self._trainer_messages)
@@ -132,10 +134,7 @@ class RunLoop:
                 self._tg.start_soon(self.run.fleet.abort_many, ids)
             elif isinstance(a, sch.SubmitBatch):
                 self._submit(a)
-        inflight = self.run.scheduler.inflight
-        if inflight != self.run.progress.state.inflight:  # the gauge takes a lock: only on change
-            self.run.metrics.inflight.set(inflight)
-            self.run.progress.state.inflight = inflight
+        self.run.progress.state.inflight = self.run.scheduler.inflight
         if self.run.scheduler.exhausted:
             self.request_stop("task exhausted")
 

@@ -84,12 +84,17 @@ async def test_the_ablations_take_out_one_feature_each_and_the_full_loop_writes_
     assert rarer["rollouts"] >= 256 and rarer["rollouts"] % (16 * 8) == 0  # whole batches eight times as large
     from orchestrator.bench.loop_costs import ABLATIONS, loop_ablations
 
-    out = (await loop_ablations(orchestrator_rate, 256, rounds=1, concurrency=16))["loop_ablations_c16"]
+    neither = await orchestrator_rate(16, 256, **ABLATIONS["neither_written_nor_scored_off_loop"])
+    assert neither["records"] == 0 and not neither["cpu_us_per_rollout_by_thread"].get("scoring")  # no scoring thread
+    out = (await loop_ablations(orchestrator_rate, bare_rate, 256, rounds=1, concurrency=16))["loop_ablations_c16"]
+    assert set(ABLATIONS) == {"full", "scoring_inline", "records_not_written", "steps_8x_rarer",
+                              "neither_written_nor_scored_off_loop"}
     for name in ABLATIONS:
         assert out[f"{name}_us"] > 0
+        assert out[f"{name}_ratio"] == pytest.approx(out["bare_us"] / out[f"{name}_us"])  # as overhead_ratio_c64
         if name != "full":
             assert out[f"{name}_saves_us"] == pytest.approx(out["full_us"] - out[f"{name}_us"])
-    assert out["record_build_us"] > 0 and out["rounds"] == 1
+    assert out["record_build_us"] > 0 and out["rounds"] == 1 and out["bare_us"] > 0
 
 
 def test_a_bad_number_of_ablation_rounds_is_refused_naming_it():

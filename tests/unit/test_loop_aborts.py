@@ -110,3 +110,29 @@ async def test_abort_many_ignores_requests_that_already_ended(n):
         await fleet.generate([1], SamplingSettings(max_tokens=8), request_id=f"done{i}", redispatch=False)
     await fleet.abort_many([f"done{i}" for i in range(n)])
     assert engine.abort_calls == []
+
+
+
+def gauge(run, name: str) -> float:
+    line = next(x for x in run.metrics.render().decode().splitlines() if x.startswith(name + " "))
+    return float(line.split()[1])
+
+
+async def test_the_in_flight_gauge_reads_the_schedulers_count_when_scraped(tmp_path):
+    run = BenchRun(tmp_path, concurrency=16, rollouts=64)
+    run.fleet = Fleet([CountingEngine(delay=0.02)])  # ~0.6 s a rollout: 16 stay in flight a while
+    loop = run.loop = RunLoop(run)
+    seen: list[tuple[float, int]] = []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(loop.main, run.scheduler.start())
+        with anyio.fail_after(30):
+            while len(seen) < 3:
+                await anyio.sleep(0.05)
+                seen.append((gauge(run, "inflight_rollouts_in_flight"), run.scheduler.inflight))
+        loop.request_stop("test")
+    assert all(scraped == count for scraped, count in seen) and seen[0][1] == 16
+    assert gauge(run, "inflight_rollouts_in_flight") == run.scheduler.inflight == 0  # every rollout ended
+    assert run.progress.state.inflight == 0
+    await run.recorder.flush()
+    run.recorder.close()
+    run.journal.close()
