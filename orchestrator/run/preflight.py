@@ -1,6 +1,8 @@
 """What `inflight run` checks before it starts anything (no engine, no trainer, no file written):
 a config file given with `--resume` is the run's own, the model path can be a model directory,
-and whether a resumed run has anything left to do.
+whether a resumed run has anything left to do, and whether a directory that holds a run's config
+holds anything of it (a run whose set-up failed leaves none: the next run may take the directory).
+One process runs in a directory at a time: RUN_DIR/run.lock (`hold_run_dir`).
 
 A finished run is one whose replay log records the consumption of its last step (what
 `inflight stats` shows). Reading the log costs what a resume costs anyway, so the trainer's
@@ -11,6 +13,7 @@ do not have, because a step's checkpoint is written before the orchestrator hear
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import msgspec
@@ -100,3 +103,83 @@ def consumed_steps(run_dir: Path) -> int:
                    default=0)
     except LogNotFoundError:
         return 0
+
+
+RUN_LOCK = "run.lock"
+_HELD: set[int] = set()  # the run.lock descriptors this process holds
+
+
+def _close_held_in_child() -> None:
+    # A process forked from a run (an in-process engine's core, with engine.start_method = "fork")
+    # must not keep the directory locked after the run has ended: its copy of the descriptor would.
+    for fd in _HELD:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_close_held_in_child)
+
+
+def hold_run_dir(run_dir: Path) -> int:
+    """Lock RUN_DIR/run.lock (flock, exclusive) and return its descriptor: held until
+    `release_run_dir` (or the process ends, however it ends). Another process's run there is
+    refused, naming the directory: two runs in one directory would interleave their journals and
+    overwrite its config."""
+    import fcntl
+
+    fd = os.open(run_dir / RUN_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ConfigError("--run-dir", f"{run_dir} is in use by a run in progress (its {RUN_LOCK} is held); "
+                                       "wait for it to end or choose another directory") from None
+    except BaseException:
+        os.close(fd)
+        raise
+    _HELD.add(fd)
+    return fd
+
+
+def release_run_dir(fd: int) -> None:
+    import fcntl
+
+    _HELD.discard(fd)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_UN)  # for every copy of it a child may still hold
+    finally:
+        os.close(fd)
+
+
+def refuse_a_run_dir_in_use(run_dir: Path) -> None:
+    """Refused, as `hold_run_dir` refuses, while another process runs in the directory."""
+    if (run_dir / RUN_LOCK).exists():
+        release_run_dir(hold_run_dir(run_dir))
+
+
+def holds_rollouts(run_dir: Path) -> bool:
+    """Whether a run directory holds anything of a run's rollouts or steps: a dispatch journalled,
+    a frame in the replay log (a torn one included: a resume recovers it), a published version.
+    A run whose set-up failed (a typo in its config, a task that would not build, an engine that
+    would not start) or was interrupted during it leaves none of these."""
+    from orchestrator.run.resume import JOURNAL
+    from replay.log.framing import LOG_SUBDIR, SEGMENT_HEADER
+
+    journal = run_dir / JOURNAL
+    if journal.exists() and journal.stat().st_size > 0:
+        return True
+    if any(segment.stat().st_size > SEGMENT_HEADER.size for segment in (run_dir / LOG_SUBDIR).glob("*.seg")):
+        return True
+    weights = run_dir / "weights"
+    return weights.is_dir() and any(weights.iterdir())
+
+
+def refuse_a_run_dir_holding_a_run(run_dir: Path) -> None:
+    """A new run (no --resume) may take a directory with nothing of a run in it (`holds_rollouts`)."""
+    if holds_rollouts(run_dir):
+        raise ConfigError("--run-dir", f"{run_dir} already holds a run; use --resume to continue it "
+                                       "or choose another directory")
+

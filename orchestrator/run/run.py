@@ -11,6 +11,7 @@ RUN_DIR holds:
     tensorboard/         TensorBoard event files
     http.json            the live query server's address
     chat_template.jinja  the task's own template (task.chat_template as a path), for export-model
+    run.lock             held (flock) by the process that runs there: one run a directory at a time
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from orchestrator.errors import ConfigError, InflightError
 from orchestrator.observe.logging import get_logger
 from orchestrator.observe.progress import Progress, ProgressState, summary
 from orchestrator.run.live import run_health
-from orchestrator.run.preflight import check_model_paths, finished_steps
+from orchestrator.run.preflight import (check_model_paths, finished_steps, hold_run_dir,
+                                        refuse_a_run_dir_holding_a_run, release_run_dir)
 from orchestrator.run.restore import restore
 from orchestrator.run.startup import StartupClock
 from orchestrator.scheduling import scheduler as sch
@@ -48,7 +50,7 @@ def resolve_config(config: RunConfig | None, run_dir: Path, resume: bool) -> Run
     """On --resume the run's own config.json is the truth (a config file given as well must be
     the same run's: refused, naming the keys that differ); otherwise the given config (or the
     embedded default)."""
-    from orchestrator.run.preflight import check_resume_config
+    from orchestrator.run.preflight import check_resume_config, refuse_a_run_dir_in_use
 
     stored = run_dir / CONFIG_FILE
     if resume:
@@ -58,8 +60,8 @@ def resolve_config(config: RunConfig | None, run_dir: Path, resume: bool) -> Run
         check_resume_config(config, saved, run_dir)
         return saved
     if stored.exists():
-        raise ConfigError("--run-dir", f"{run_dir} already holds a run; use --resume to continue it "
-                                       f"or choose another directory")
+        refuse_a_run_dir_in_use(run_dir)
+        refuse_a_run_dir_holding_a_run(run_dir)  # else the run before stopped in its set-up: this one takes over
     return config or RunConfig().validate()
 
 
@@ -96,12 +98,30 @@ class Run:
 
     # -- the whole run -------------------------------------------------------------------------
     async def main(self) -> int:
-        from orchestrator.reaper import Reaper
-        from orchestrator.run.loop import RunLoop
-
         if self.resume and self._already_finished():
             return 0
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        lock = hold_run_dir(self.run_dir)  # one process a directory, from before its config is written
+        try:
+            return await self._main_holding_the_directory()
+        finally:
+            release_run_dir(lock)
+
+    async def _main_holding_the_directory(self) -> int:
+        from orchestrator.reaper import Reaper
+        from orchestrator.run.fleet_keeper import FLEET_LOG
+        from orchestrator.run.loop import RunLoop
+
+        if not self.resume:
+            refuse_a_run_dir_holding_a_run(self.run_dir)  # again, now that no other run can begin there
+            # A run before this one that stopped in its set-up (`resolve_config` let this one take
+            # the directory: nothing of it was dispatched, recorded or published) leaves its config,
+            # its id and the engines it started; this run is a new one.
+            if (self.run_dir / CONFIG_FILE).exists():
+                log.info("run.dir_taken_over", why="the run there stopped in its set-up: nothing of it was "
+                                                    "dispatched, recorded or published")
+            for name in ("run_id", FLEET_LOG):
+                (self.run_dir / name).unlink(missing_ok=True)
         self.state = "starting"
         self.run_id = self._run_id()
         self.cluster = self._cluster_side()  # before the HTTP server, which listens at its node's address

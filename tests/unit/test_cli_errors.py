@@ -194,6 +194,107 @@ def stored_run(run_dir: Path, config: RunConfig, steps_done: int) -> Path:
     return run_dir
 
 
+def refused_model(tmp_path: Path) -> Path:
+    """A model directory the run refuses during its set-up (after it wrote its config)."""
+    model = tmp_path / "model"
+    model.mkdir(exist_ok=True)
+    write(model / "config.json", "{}")
+    write(model / "inflight_model.json", json.dumps({"preset": "tiny", "seed": 0}))
+    return model
+
+
+def test_a_run_that_stopped_in_its_set_up_leaves_its_directory_to_the_next_run(tmp_path):
+    """A typo, a task that would not build, an engine that would not start: nothing was dispatched,
+    recorded or published, so the corrected command on the same directory runs (its own config, a
+    new run id), where it was refused as `already holds a run`."""
+    model, run_dir = refused_model(tmp_path), tmp_path / "run"
+    first = write(tmp_path / "first.toml", f'[engine]\nmodel = "{model}"\n[run]\nprogress = "plain"\n')
+    assert_one_named_error(inflight("run", str(first), "--run-dir", str(run_dir)), "preset 'tiny'")
+    assert (run_dir / "config.json").exists()
+    first_id = (run_dir / "run_id").read_text()
+    second = write(tmp_path / "second.toml", f'[engine]\nmodel = "{model}"\n[run]\nprogress = "none"\n')
+    out = inflight("run", str(second), "--run-dir", str(run_dir))
+    assert_one_named_error(out, "preset 'tiny'")  # its own set-up's error again, not --run-dir's
+    assert json.loads((run_dir / "config.json").read_text())["run"]["progress"] == "none"
+    assert (run_dir / "run_id").read_text() != first_id
+    assert "run.dir_taken_over" in events(run_dir)
+
+
+def test_a_directory_with_anything_of_a_run_is_refused_without_resume(tmp_path):
+    from orchestrator.run.resume import JOURNAL
+    from orchestrator.run.run import resolve_config
+
+    recorded = stored_run(tmp_path / "recorded", RunConfig().validate(), 1)  # a record in its replay log
+    journalled = tmp_path / "journalled"
+    journalled.mkdir()
+    (journalled / "config.json").write_bytes(msgspec.json.encode(RunConfig().validate()))
+    (journalled / JOURNAL).write_text('[1000000, 1, "engine-0", 0, 1.0]\n')  # a dispatch, no record yet
+    published = tmp_path / "published"
+    published.mkdir()
+    (published / "config.json").write_bytes(msgspec.json.encode(RunConfig().validate()))
+    (published / "weights" / "v00000001").mkdir(parents=True)
+    for run_dir in (recorded, journalled, published):
+        with pytest.raises(ConfigError, match="already holds a run; use --resume") as refused:
+            resolve_config(None, run_dir, resume=False)
+        assert refused.value.field == "--run-dir"
+        out = inflight("run", "--run-dir", str(run_dir))
+        assert_one_named_error(out, "--run-dir", str(run_dir), "already holds a run")
+    assert resolve_config(None, recorded, resume=True) is not None  # --resume takes it
+
+
+def test_a_run_in_progress_holds_its_directory_against_a_second_run_and_a_resume(tmp_path):
+    from orchestrator.run.preflight import hold_run_dir, release_run_dir
+
+    run_dir = stored_run(tmp_path / "run", RunConfig().validate(), 1)
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    config = write(tmp_path / "run.toml", f'[engine]\nmodel = "{refused_model(tmp_path)}"\n')
+    held = hold_run_dir(run_dir)
+    held_fresh = hold_run_dir(fresh)
+    try:
+        for args in (["--run-dir", str(run_dir), "--resume", "--max-steps", "5"], [str(config), "--run-dir", str(fresh)]):
+            out = inflight("run", *args)
+            assert_one_named_error(out, "--run-dir", "in use by a run in progress", "run.lock")
+        assert not (fresh / "config.json").exists()  # refused before it wrote anything of its own
+        with pytest.raises(ConfigError, match="in use"):
+            hold_run_dir(run_dir)  # a second holder in this process too
+    finally:
+        release_run_dir(held)
+        release_run_dir(held_fresh)
+    release_run_dir(hold_run_dir(run_dir))  # free again once released
+
+
+def test_a_forked_child_does_not_keep_the_directory_locked(tmp_path):
+    """An in-process engine's core is forked from the run (engine.start_method = "fork"): a run
+    killed outright (no release) while such a child lives must not leave its directory held by
+    the child. A process holds the directory, forks a child that lives on, and exits at once."""
+    import os
+    import signal
+
+    from orchestrator.run.preflight import hold_run_dir, release_run_dir
+
+    holder = ("import os, signal, sys\n"
+              "from pathlib import Path\n"
+              "from orchestrator.run.preflight import hold_run_dir\n"
+              "hold_run_dir(Path(sys.argv[1]))\n"
+              "child = os.fork()\n"
+              "if child == 0:  # lets go of the test's pipes, then lives on\n"
+              "    null = os.open(os.devnull, os.O_RDWR)\n"
+              "    os.dup2(null, 1)\n"
+              "    os.dup2(null, 2)\n"
+              "    signal.pause()\n"
+              "print(child, flush=True)\n"
+              "os._exit(0)  # as if killed: nothing released\n")
+    out = subprocess.run([sys.executable, "-c", holder, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    child = int(out.stdout.split()[0])
+    try:
+        os.kill(child, 0)  # the child lives on
+        release_run_dir(hold_run_dir(tmp_path))  # and the directory is free
+    finally:
+        os.kill(child, signal.SIGKILL)
+
+
 def test_resume_with_a_config_that_differs_names_the_keys(tmp_path):
     run_dir = stored_run(tmp_path / "run", RunConfig().validate(), 1)
     config = write(tmp_path / "other.toml", "[scheduler]\ngroup_size = 4\n[trainer]\nlr = 0.1\n")
