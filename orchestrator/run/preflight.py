@@ -1,4 +1,5 @@
-"""What `inflight run` checks before it starts anything (no engine, no trainer, no file written):
+"""What `inflight run` checks before it starts anything (no engine, no trainer, no file written but
+the lock a run holds on its directory):
 a config file given with `--resume` is the run's own, the model path can be a model directory,
 whether a resumed run has anything left to do, and whether a directory that holds a run's config
 holds anything of it (a run whose set-up failed leaves none: the next run may take the directory).
@@ -13,6 +14,7 @@ do not have, because a step's checkpoint is written before the orchestrator hear
 
 from __future__ import annotations
 
+import fcntl
 import os
 from pathlib import Path
 
@@ -128,8 +130,6 @@ def hold_run_dir(run_dir: Path) -> int:
     `release_run_dir` (or the process ends, however it ends). Another process's run there is
     refused, naming the directory: two runs in one directory would interleave their journals and
     overwrite its config."""
-    import fcntl
-
     fd = os.open(run_dir / RUN_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -145,8 +145,6 @@ def hold_run_dir(run_dir: Path) -> int:
 
 
 def release_run_dir(fd: int) -> None:
-    import fcntl
-
     _HELD.discard(fd)
     try:
         fcntl.flock(fd, fcntl.LOCK_UN)  # for every copy of it a child may still hold
