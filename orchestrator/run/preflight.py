@@ -164,6 +164,7 @@ def holds_rollouts(run_dir: Path) -> bool:
     A run whose set-up failed (a typo in its config, a task that would not build, an engine that
     would not start) or was interrupted during it leaves none of these."""
     from orchestrator.run.resume import JOURNAL
+    from orchestrator.trainer.publish import weights_root
     from replay.log.framing import LOG_SUBDIR, SEGMENT_HEADER
 
     journal = run_dir / JOURNAL
@@ -171,7 +172,7 @@ def holds_rollouts(run_dir: Path) -> bool:
         return True
     if any(segment.stat().st_size > SEGMENT_HEADER.size for segment in (run_dir / LOG_SUBDIR).glob("*.seg")):
         return True
-    weights = run_dir / "weights"
+    weights = weights_root(run_dir)
     return weights.is_dir() and any(weights.iterdir())
 
 

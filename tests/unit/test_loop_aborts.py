@@ -112,7 +112,6 @@ async def test_abort_many_ignores_requests_that_already_ended(n):
     assert engine.abort_calls == []
 
 
-
 def gauge(run, name: str) -> float:
     line = next(x for x in run.metrics.render().decode().splitlines() if x.startswith(name + " "))
     return float(line.split()[1])
