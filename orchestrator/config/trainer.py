@@ -84,8 +84,9 @@ class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # engine's too, a share per rank (docs/trainer.md, "Threads and cores": when it pays).
     threads: int | Literal["auto"] = 1
     cpus: list[int] | None = None
-    # How long the orchestrator waits for the trainer to start and for one step.
-    start_timeout_s: float = 120.0
+    # How long the orchestrator waits for the trainer to start and for one step. The start is
+    # torch's import and the model's load, as long as an engine's on a busy host: its 300 s.
+    start_timeout_s: float = 300.0
     step_timeout_s: float = 600.0
     # Trainer ranks on this host. 1: one process. N > 1: `torchrun --nproc-per-node N`, the model
     # sharded with FSDP2 (fully_shard) over gloo on CPU (NCCL on GPU); rank 0 speaks the link.

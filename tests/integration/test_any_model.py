@@ -97,6 +97,8 @@ max_tokens = 8
 group_size = 4
 batch_groups = 2
 mode = "sync"
+[trainer]
+start_timeout_s = 900  # the light lane's share of the CPU: its start can take minutes on CI
 [run]
 progress = "none"
 tensorboard = false

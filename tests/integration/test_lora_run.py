@@ -44,6 +44,9 @@ def lora_run(tmp_path_factory) -> tuple[Path, Path]:
     # appended to [run], the example's last table; 30 of its 60 steps (it passes 0.5 by about 17).
     # Every version's adapter is kept, so that the check below covers the run, not only the last
     # transport.keep_last versions (which of those sampled anything depends on timing: on CI only two did).
+    # The trainer's start bounded as the light lane needs (on CI 120 s ran out beside the main lane).
+    assert "[trainer]\n" in text
+    text = text.replace("[trainer]\n", "[trainer]\nstart_timeout_s = 1200\n", 1)
     config.write_text(text + '\nprogress = "plain"\n\n[transport]\nkeep_last = 64\n')
     run_dir = root / "run"
     done = inflight("run", str(config), "--run-dir", str(run_dir), "--max-steps", "30")
