@@ -195,6 +195,10 @@ class RunSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     stall_s: float = 600.0
     max_error_share: float = 0.9
     error_window: int = 256
+    # ... and sooner, after all_errored_s without a step, when every one of the last error_window
+    # rollouts errored by the user's code (none completed: no batch can fill). Set it to stall_s for
+    # a reward whose outages are long and expected (a remote judge): the run then waits them out.
+    all_errored_s: float = 60.0
 
     def wandb_settings(self) -> WandbConfig | None:
         if self.wandb is not None:
@@ -213,8 +217,9 @@ class RunSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 raise ConfigError(f"run.{name}", f"must be > 0, got {getattr(self, name)}")
         if self.linger_s < 0:
             raise ConfigError("run.linger_s", f"must be >= 0, got {self.linger_s}")
-        if not self.stall_s > 0:
-            raise ConfigError("run.stall_s", f"must be > 0, got {self.stall_s}")
+        for name in ("stall_s", "all_errored_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"run.{name}", f"must be > 0, got {getattr(self, name)}")
         if not 0 < self.max_error_share <= 1:
             raise ConfigError("run.max_error_share", f"must be in (0, 1], got {self.max_error_share}")
         if self.error_window < 1:

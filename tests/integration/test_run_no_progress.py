@@ -17,7 +17,7 @@ STALL_S = 5
 
 
 @pytest.mark.timeout(600)
-def test_a_reward_that_always_raises_exits_2_within_stall_s_naming_the_function(tmp_path, rl_model, run_server):
+def test_a_reward_that_always_raises_exits_2_within_all_errored_s_naming_the_function(tmp_path, rl_model, run_server):
     (tmp_path / "my_rewards.py").write_text(
         "def never(completion, **row):\n    raise ValueError('the grader is down')\n")
     (tmp_path / "train.jsonl").write_text("".join('{"prompt": "count to %d", "answer": "%d"}\n' % (i, i)
@@ -32,11 +32,14 @@ dataset = "{tmp_path / 'train.jsonl'}"
 rewards = [{{ fn = "my_rewards:never" }}]
 [run]
 progress = "plain"
-stall_s = {STALL_S}
+all_errored_s = {STALL_S}
+error_window = 32
 [http]
 enabled = false
 """)
     error = stopped_naming_why(tmp_path, config)
+    # stall_s is its default, 600 s: the stop came from the window of errors alone (all_errored_s)
+    assert "run.all_errored_s = 5: none of the last 32 rollouts completed" in error, error
     assert "errored(reward_error)" in error and "reward 'never'" in error, error
     assert "the grader is down" in error and "orchestrator.jsonl" in error
     first = (tmp_path / "run" / "orchestrator.jsonl").read_text()

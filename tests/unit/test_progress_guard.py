@@ -56,3 +56,52 @@ def test_the_window_forgets_old_errors():
     for _ in range(4):
         g.terminal("completed")
     assert g.failing() is None
+
+
+def test_a_full_window_of_the_users_errors_stops_after_all_errored_s_not_stall_s():
+    g = guard(stall_s=600.0, all_errored_s=60.0)
+    for i in range(20):
+        g.terminal("errored", "reward_error", f"reward 'never': ValueError: down {i}")
+    assert g.nothing_completes()
+    assert g.verdict(59.0, trainer_busy=False, waiting_on="x") is None
+    assert g.verdict(60.0, trainer_busy=True, waiting_on="x") is None  # a step in progress is its own bound
+    assert g.verdict(61.0, trainer_busy=False, waiting_on="x") == (
+        "no trainer step for 61s (run.all_errored_s = 60: none of the last 20 rollouts completed): 100% of the "
+        "last 20 rollouts ended errored(reward_error), e.g. reward 'never': ValueError: down 19")
+
+
+def test_one_completion_a_window_not_yet_full_or_the_engines_errors_wait_the_whole_stall_s():
+    one_completed = guard(stall_s=600.0, all_errored_s=60.0)
+    for _ in range(19):
+        one_completed.terminal("errored", "reward_error", "m")
+    not_full = guard(stall_s=600.0, all_errored_s=60.0)
+    for _ in range(19):
+        not_full.terminal("errored", "reward_error", "m")
+    one_completed.terminal("completed")
+    engines = guard(stall_s=600.0, all_errored_s=60.0)
+    for _ in range(20):
+        engines.terminal("errored", "engine_fenced", "engine e0 lost")
+    for g in (one_completed, not_full, engines):
+        assert not g.nothing_completes()
+        assert g.verdict(300.0, trainer_busy=False, waiting_on="x") is None
+        assert g.verdict(600.0, trainer_busy=False, waiting_on="x").startswith("no trainer step for 600s (run.stall_s = 600)")
+
+
+def test_every_rollout_errored_in_mixed_kinds_names_each_kind_with_its_count():
+    g = guard(stall_s=600.0, all_errored_s=30.0)
+    for _ in range(12):
+        g.terminal("errored", "reward_error", "reward r: KeyError: 'answer'")
+    for _ in range(8):
+        g.terminal("errored", "environment_error", "env: RuntimeError: down")
+    assert g.failing() is None  # 60% is below max_error_share
+    assert g.verdict(31.0, trainer_busy=False, waiting_on="x") == (
+        "no trainer step for 31s (run.all_errored_s = 30: none of the last 20 rollouts completed): "
+        "errored(reward_error) 12, errored(environment_error) 8, e.g. reward r: KeyError: 'answer'")
+
+
+def test_all_errored_s_is_never_longer_than_stall_s():
+    g = guard(stall_s=10.0, all_errored_s=60.0)
+    for _ in range(20):
+        g.terminal("errored", "reward_error", "m")
+    assert g.verdict(10.0, trainer_busy=False, waiting_on="x").startswith(
+        "no trainer step for 10s (run.all_errored_s = 10: none of the last 20 rollouts completed)")
