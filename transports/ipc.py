@@ -154,6 +154,9 @@ class IpcSender:
         self._acked: dict[bytes, int] = {}  # per engine: the highest bucket acknowledged this attempt
         self._attempt = 0
         self._sent = -1  # the highest bucket announced this attempt
+        # This attempt's announcements whose bytes are still in an arena (the last two): a restarted
+        # engine that says hello mid-version is sent them (`_rejoined`).
+        self._announced: dict[int, list[bytes]] = {}
 
     #: `send(k)` returns while the engines may still read bucket k (see the module docstring).
     in_flight = 1
@@ -176,21 +179,44 @@ class IpcSender:
                 self._hello(frames)
         log.info("ipc.connected", engines=len(self._peer_of), endpoint=self.endpoint)
 
-    def _hello(self, frames: list[bytes]) -> None:
+    def _hello(self, frames: list[bytes]) -> tuple[int, bytes] | None:
         """An engine's receiver said hello: `[identity, b"hello", index]` (a receiver of an older
         build sends no index and takes the next free one). A second hello for an index is a
-        restarted engine: its new socket replaces the old one."""
+        restarted engine: its new socket replaces the old one, returned with the index."""
         peer = frames[0]
         try:
             index = int(frames[2]) if len(frames) > 2 and frames[2] else next(
                 i for i in range(len(self._peer_of) + 1) if i not in self._peer_of)
         except ValueError:
             log.warning("ipc.bad_hello", frames=len(frames))
-            return
+            return None
         if not 0 <= index < self.engines:
             log.warning("ipc.unknown_engine", index=index, engines=self.engines)
-            return
+            return None
+        replaced = self._peer_of.get(index)
         self._peer_of[index] = peer
+        return (index, replaced) if replaced is not None and replaced != peer else None
+
+    def _rejoined(self, frames: list[bytes]) -> None:
+        """A hello while a version is sent. A restarted engine's hello can reach this socket
+        after `begin` (ZMQ connects in the background, later on a loaded host): the attempt
+        then announced to the dead socket and waited on it to the timeout. The new socket takes
+        the old one's place in this attempt and is sent what was announced, while every bucket
+        from 0 is still in an arena; past that the version fails now, naming the engine."""
+        replaced = self._hello(frames)
+        if replaced is None or replaced[1] not in self._acked:
+            return  # a first hello, or an engine this attempt does not send to
+        index, old = replaced
+        del self._acked[old]
+        if self._sent >= 0 and 0 not in self._announced:
+            raise TransportError(f"engine {index} restarted while version buckets were sent (a new hello after "
+                                 f"bucket {self._sent}): the buckets it missed are no longer held; the next "
+                                 "attempt sends it every bucket")
+        peer = frames[0]
+        self._acked[peer] = -1
+        for index_sent in sorted(self._announced):
+            self._sock.send_multipart([peer, *self._announced[index_sent]])
+        log.info("ipc.rejoined", engine=index, resent=len(self._announced))
 
     def _take_hellos(self) -> None:
         """Registers the hellos waiting on the socket (restarted engines), without blocking."""
@@ -229,6 +255,7 @@ class IpcSender:
         self._take_hellos()
         self._acked = {peer: -1 for peer in self._targets()}
         self._sent = -1
+        self._announced = {}
 
     def _slot_of(self, payload: memoryview | torch.Tensor) -> int:
         if isinstance(payload, torch.Tensor):  # a device payload: the plan packed into a CUDA arena
@@ -246,6 +273,7 @@ class IpcSender:
             self._attempt = header.attempt
             self._acked = {peer: -1 for peer in self._targets()}
             self._sent = -1
+            self._announced = {}
         slot = header.index % 2
         if self._slot_of(payload) != slot:
             # Not packed in place (e.g. a caller with its own buffers): copy into the arena once
@@ -255,10 +283,13 @@ class IpcSender:
             self._arenas[slot][:len(payload)].copy_(source)
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()  # complete before it is announced
-        message = encode_header(header)
+        announcement = [b"bucket", bytes([slot]), encode_header(header), str(len(payload)).encode(),
+                        self._handle(slot)]
+        # Bucket k's bytes now fill the arena that held k - 2's.
+        self._announced.pop(header.index - 2, None)
+        self._announced[header.index] = announcement
         for peer in self._acked:
-            self._sock.send_multipart([peer, b"bucket", bytes([slot]), message, str(len(payload)).encode(),
-                                       self._handle(slot)])
+            self._sock.send_multipart([peer, *announcement])
         self._sent = header.index
         # The packer refills the other arena (bucket k-1's) with bucket k+1 as soon as this
         # returns; bucket k's arena is left alone until send(k+1) saw bucket k acknowledged.
@@ -279,8 +310,8 @@ class IpcSender:
         while min(self._acked.values(), default=index) < index:
             frames = self._recv(f"engines to apply bucket {index}")
             peer, kind = frames[0], frames[1]
-            if kind == b"hello":  # a restarted engine: it takes part from the next version on
-                self._hello(frames)
+            if kind == b"hello":  # a restarted engine
+                self._rejoined(frames)
                 continue
             if peer not in self._acked:
                 continue  # an engine left out of this version, or a socket a restart replaced

@@ -1,18 +1,22 @@
 """The IPC transport never runs code a ZMQ peer sends: a CUDA IPC handle is loaded with a
 restricted unpickler that resolves only `rebuild_cuda_tensor` and the plain types of its
-arguments (issue 11, security)."""
+arguments (issue 11, security). And a restarted engine whose hello reaches the trainer after a
+version began is sent that version from bucket 0, or the version fails at once by name (not at
+the timeout)."""
 
 from __future__ import annotations
 
 import os
 import pickle
+import threading
 import uuid
 
 import pytest
 import torch
 
 from transports.errors import TransportError
-from transports.ipc import IpcReceiver, UnsafeHandleError, load_cuda_handle
+from transports.ipc import IpcReceiver, IpcSender, UnsafeHandleError, load_cuda_handle
+from transports.wire import BucketHeader, decode_header
 
 
 class Evil:
@@ -70,3 +74,76 @@ def test_the_receiver_refuses_an_evil_handle_without_running_it(tmp_path):
         assert not marker.exists()
     finally:
         receiver.close()
+
+
+class Engine:
+    """One engine's receiving socket, raw: says hello with its index, then acknowledges every
+    bucket announced to it, on a thread of its own; `received` is the bucket indices in order."""
+
+    def __init__(self, endpoint: str, index: int) -> None:
+        import zmq
+
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        self.sock.send_multipart([b"hello", str(index).encode()])
+        self.received: list[int] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._ack, daemon=True)
+        self.thread.start()
+
+    def _ack(self) -> None:
+        while not self.stop.is_set():
+            if self.sock.poll(20):
+                _, _slot, raw, _length, _handle = self.sock.recv_multipart()
+                header = decode_header(raw)
+                self.received.append(header.index)
+                self.sock.send_multipart([b"ack", str(header.index).encode(), str(header.attempt).encode()])
+
+    def die(self) -> None:
+        self.stop.set()
+        self.thread.join(5)
+        self.sock.close(linger=0)
+
+
+def announce(sender: IpcSender, index: int, count: int) -> None:
+    header = BucketHeader(version=1, index=index, count=count, nbytes=8, tensors=(), attempt=1)
+    sender.send(header, sender.arenas()[index % 2][:8])
+
+
+@pytest.fixture
+def sender():
+    sender = IpcSender(arena_bytes=64, engines=2, timeout_s=10)
+    yield sender
+    sender.close()
+
+
+def test_an_engine_restarted_before_its_first_ack_is_sent_the_version_from_bucket_0(sender):
+    engines = [Engine(sender.endpoint, 0), Engine(sender.endpoint, 1)]
+    sender.connect()
+    sender.begin(1, 2)
+    engines[1].die()  # engine 1 is gone before it read bucket 0 ...
+    announce(sender, 0, 2)
+    restarted = Engine(sender.endpoint, 1)  # ... and back: its hello reaches the trainer after the version began
+    announce(sender, 1, 2)  # waits on bucket 0: engine 0's ack, the restarted engine's hello
+    sender.commit(1)  # before: "waiting for engines to apply bucket 0", at the timeout
+    assert restarted.received == [0, 1] and engines[0].received == [0, 1]
+    for engine in (engines[0], restarted):
+        engine.die()
+
+
+def test_an_engine_restarted_past_bucket_0_fails_the_version_at_once_naming_it(sender):
+    engines = [Engine(sender.endpoint, 0), Engine(sender.endpoint, 1)]
+    sender.connect()
+    sender.begin(1, 3)
+    announce(sender, 0, 3)
+    announce(sender, 1, 3)  # bucket 0 acknowledged by both
+    engines[1].die()
+    restarted = Engine(sender.endpoint, 1)  # bucket 0's arena is being refilled: it cannot be sent again
+    with pytest.raises(TransportError, match="engine 1 restarted while version buckets were sent") as info:
+        announce(sender, 2, 3)
+        sender.commit(1)
+    assert not isinstance(info.value, TimeoutError)
+    assert restarted.received == []
+    for engine in (engines[0], restarted):
+        engine.die()
