@@ -195,9 +195,10 @@ class RunSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     stall_s: float = 600.0
     max_error_share: float = 0.9
     error_window: int = 256
-    # ... and sooner, after all_errored_s without a step, when every one of the last error_window
-    # rollouts errored by the user's code (none completed: no batch can fill). Set it to stall_s for
-    # a reward whose outages are long and expected (a remote judge): the run then waits them out.
+    # ... and sooner, after all_errored_s without a step, when the last rollouts, a batch's worth
+    # (scheduler.batch_size) or error_window if fewer, all errored by the user's code (none
+    # completed: no batch can fill). Set it to stall_s for a reward whose outages are long and
+    # expected (a remote judge): the run then waits them out.
     all_errored_s: float = 60.0
 
     def wandb_settings(self) -> WandbConfig | None:

@@ -7,14 +7,16 @@ raises. The guard sees every terminal rollout and every trainer step. Once no st
 `trainer.step_timeout_s` instead), its verdict is the reason to stop: when one error kind holds
 at least `run.max_error_share` of the last `run.error_window` rollouts that ended completed or
 errored, that kind with one example message (which names the function or tool at fault);
-otherwise what the run was waiting on. When every rollout of a full window errored, by the user's
-code (no batch can fill: a reward that always raises, a dataset whose every prompt is refused),
-the wait is the shorter `run.all_errored_s`; errors of the engines' side are the fleet's to bound
+otherwise what the run was waiting on. When the last rollouts errored, every one, by the user's
+code, and there are a batch's worth of them or a full window, whichever is fewer (no batch can
+fill: a reward that always raises or hangs, a broken tool), the wait is the shorter
+`run.all_errored_s`; errors of the engines' side are the fleet's to bound
 (`fleet.min_engines_wait_s`), not this.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter, deque
 
 # Error kinds of the engines' side, not of the user's code: a window of them is the fleet's.
@@ -23,9 +25,12 @@ ENGINE_SIDE_KINDS = frozenset({"engine_fenced", "version_unknown", "missing_logp
 
 class ProgressGuard:
     def __init__(self, *, stall_s: float, max_error_share: float, window: int, started_at: float,
-                 all_errored_s: float | None = None) -> None:
+                 all_errored_s: float | None = None, batch_rollouts: int | None = None) -> None:
         self.stall_s, self.max_error_share = stall_s, max_error_share
         self.all_errored_s = stall_s if all_errored_s is None else min(stall_s, all_errored_s)
+        # How many rollouts in a row, all errored, make the run hopeless: a batch's worth (a reward
+        # that hangs to its timeout fills a window of 256 only in minutes), at most the window.
+        self.hopeless_after = window if batch_rollouts is None else max(1, min(window, batch_rollouts))
         self.outcomes: deque[tuple[str, str]] = deque(maxlen=window)  # (status, error kind or "")
         self.examples: dict[str, str] = {}  # error kind -> its latest message
         self.last_progress = started_at
@@ -53,30 +58,34 @@ class ProgressGuard:
         return (kind, share, len(self.outcomes)) if share >= self.max_error_share else None
 
     def nothing_completes(self) -> bool:
-        """Every rollout of a full window errored, by the user's code: no batch can fill."""
-        return (len(self.outcomes) == self.outcomes.maxlen
-                and all(status == "errored" and kind not in ENGINE_SIDE_KINDS for status, kind in self.outcomes))
+        """The last `hopeless_after` rollouts errored, every one, by the user's code: no batch can fill."""
+        if len(self.outcomes) < self.hopeless_after:
+            return False
+        last = itertools.islice(reversed(self.outcomes), self.hopeless_after)
+        return all(status == "errored" and kind not in ENGINE_SIDE_KINDS for status, kind in last)
 
     def verdict(self, now: float, *, trainer_busy: bool, waiting_on: str) -> str | None:
         """Why the run must stop now, or None."""
         stalled = now - self.last_progress
         if trainer_busy:
             return None
-        hopeless = self.nothing_completes()
-        if stalled < (self.all_errored_s if hopeless else self.stall_s):
+        if self.nothing_completes():
+            if stalled < self.all_errored_s:
+                return None
+            # Each kind of the rollouts that made it hopeless, most frequent first, with an example.
+            last = itertools.islice(reversed(self.outcomes), self.hopeless_after)
+            kinds = Counter(kind for _status, kind in last).most_common()
+            counts = ", ".join(f"errored({kind}) {count}" for kind, count in kinds)
+            return (f"no trainer step for {stalled:.0f}s (run.all_errored_s = {self.all_errored_s:g}): the last "
+                    f"{self.hopeless_after} rollouts all errored: {counts}, e.g. {self.examples.get(kinds[0][0], '')}")
+        if stalled < self.stall_s:
             return None
-        bound = (f"run.all_errored_s = {self.all_errored_s:g}: none of the last {len(self.outcomes)} rollouts "
-                 f"completed" if hopeless else f"run.stall_s = {self.stall_s:g}")
         failing = self.failing()
         if failing is not None:
             kind, share, counted = failing
-            return (f"no trainer step for {stalled:.0f}s ({bound}): {share:.0%} of the last "
+            return (f"no trainer step for {stalled:.0f}s (run.stall_s = {self.stall_s:g}): {share:.0%} of the last "
                     f"{counted} rollouts ended errored({kind}), e.g. {self.examples.get(kind, '')}")
-        if hopeless:  # no one kind dominates: each, most frequent first, and the first one's example
-            kinds = Counter(kind for _status, kind in self.outcomes).most_common()
-            counts = ", ".join(f"errored({kind}) {count}" for kind, count in kinds)
-            return f"no trainer step for {stalled:.0f}s ({bound}): {counts}, e.g. {self.examples.get(kinds[0][0], '')}"
-        return f"no trainer step for {stalled:.0f}s ({bound}), waiting on {waiting_on}"
+        return f"no trainer step for {stalled:.0f}s (run.stall_s = {self.stall_s:g}), waiting on {waiting_on}"
 
     def note(self) -> str | None:
         """What /healthz and the display say while one error kind dominates (before any stop)."""

@@ -65,7 +65,8 @@ class RunLoop:
         self.keeper = FleetKeeper(self)
         self._asking_leaving: set[str] = set()  # engines whose server is being asked if it leaves
         self.guard = ProgressGuard(stall_s=rc.stall_s, max_error_share=rc.max_error_share, window=rc.error_window,
-                                   started_at=time.monotonic(), all_errored_s=rc.all_errored_s)
+                                   started_at=time.monotonic(), all_errored_s=rc.all_errored_s,
+                                   batch_rollouts=run.config.scheduler.batch_size)
 
     def restore_completed(self, records: dict) -> None:
         """Completed, unconsumed rollouts of a crashed run (resume.py): their groups are

@@ -33,13 +33,13 @@ rewards = [{{ fn = "my_rewards:never" }}]
 [run]
 progress = "plain"
 all_errored_s = {STALL_S}
-error_window = 32
 [http]
 enabled = false
 """)
     error = stopped_naming_why(tmp_path, config)
-    # stall_s is its default, 600 s: the stop came from the window of errors alone (all_errored_s)
-    assert "run.all_errored_s = 5: none of the last 32 rollouts completed" in error, error
+    # stall_s is its default, 600 s: the stop came from a batch's worth of errors (scheduler.batch_size,
+    # 64, fewer than run.error_window's 256) and all_errored_s
+    assert "(run.all_errored_s = 5): the last 64 rollouts all errored: errored(reward_error) 64" in error, error
     assert "errored(reward_error)" in error and "reward 'never'" in error, error
     assert "the grader is down" in error and "orchestrator.jsonl" in error
     first = (tmp_path / "run" / "orchestrator.jsonl").read_text()

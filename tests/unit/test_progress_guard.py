@@ -66,8 +66,8 @@ def test_a_full_window_of_the_users_errors_stops_after_all_errored_s_not_stall_s
     assert g.verdict(59.0, trainer_busy=False, waiting_on="x") is None
     assert g.verdict(60.0, trainer_busy=True, waiting_on="x") is None  # a step in progress is its own bound
     assert g.verdict(61.0, trainer_busy=False, waiting_on="x") == (
-        "no trainer step for 61s (run.all_errored_s = 60: none of the last 20 rollouts completed): 100% of the "
-        "last 20 rollouts ended errored(reward_error), e.g. reward 'never': ValueError: down 19")
+        "no trainer step for 61s (run.all_errored_s = 60): the last 20 rollouts all errored: "
+        "errored(reward_error) 20, e.g. reward 'never': ValueError: down 19")
 
 
 def test_one_completion_a_window_not_yet_full_or_the_engines_errors_wait_the_whole_stall_s():
@@ -95,7 +95,7 @@ def test_every_rollout_errored_in_mixed_kinds_names_each_kind_with_its_count():
         g.terminal("errored", "environment_error", "env: RuntimeError: down")
     assert g.failing() is None  # 60% is below max_error_share
     assert g.verdict(31.0, trainer_busy=False, waiting_on="x") == (
-        "no trainer step for 31s (run.all_errored_s = 30: none of the last 20 rollouts completed): "
+        "no trainer step for 31s (run.all_errored_s = 30): the last 20 rollouts all errored: "
         "errored(reward_error) 12, errored(environment_error) 8, e.g. reward r: KeyError: 'answer'")
 
 
@@ -104,4 +104,21 @@ def test_all_errored_s_is_never_longer_than_stall_s():
     for _ in range(20):
         g.terminal("errored", "reward_error", "m")
     assert g.verdict(10.0, trainer_busy=False, waiting_on="x").startswith(
-        "no trainer step for 10s (run.all_errored_s = 10: none of the last 20 rollouts completed)")
+        "no trainer step for 10s (run.all_errored_s = 10): the last 20 rollouts all errored")
+
+
+def test_a_batchs_worth_of_errors_in_a_row_is_enough_when_a_batch_is_fewer_than_the_window():
+    """A reward that hangs to its timeout errors a rollout every few seconds: a window of 256
+    fills in minutes, a batch of 8 does not need to wait for it."""
+    g = guard(stall_s=600.0, all_errored_s=60.0, window=20, batch_rollouts=8)
+    for _ in range(12):
+        g.terminal("completed")
+    for _ in range(7):
+        g.terminal("errored", "reward_timeout", "scoring took longer than task.score_timeout_s (2 s)")
+    assert not g.nothing_completes()
+    g.terminal("errored", "reward_timeout", "scoring took longer than task.score_timeout_s (2 s)")
+    assert g.nothing_completes()
+    assert g.verdict(61.0, trainer_busy=False, waiting_on="x").startswith(
+        "no trainer step for 61s (run.all_errored_s = 60): the last 8 rollouts all errored: errored(reward_timeout) 8")
+    g.terminal("completed")
+    assert not g.nothing_completes() and g.verdict(61.0, trainer_busy=False, waiting_on="x") is None
