@@ -8,6 +8,12 @@ def guard(**kw) -> ProgressGuard:
     return ProgressGuard(**{"stall_s": 10.0, "max_error_share": 0.9, "window": 20, "started_at": 0.0, **kw})
 
 
+def errored(g: ProgressGuard, count: int, kind: str = "reward_error", message: str = "m") -> ProgressGuard:
+    for _ in range(count):
+        g.terminal("errored", kind, message)
+    return g
+
+
 def test_no_verdict_before_the_stall_or_while_the_trainer_holds_a_batch():
     g = guard()
     for _ in range(20):
@@ -71,16 +77,10 @@ def test_a_full_window_of_the_users_errors_stops_after_all_errored_s_not_stall_s
 
 
 def test_one_completion_a_window_not_yet_full_or_the_engines_errors_wait_the_whole_stall_s():
-    one_completed = guard(stall_s=600.0, all_errored_s=60.0)
-    for _ in range(19):
-        one_completed.terminal("errored", "reward_error", "m")
-    not_full = guard(stall_s=600.0, all_errored_s=60.0)
-    for _ in range(19):
-        not_full.terminal("errored", "reward_error", "m")
+    one_completed = errored(guard(stall_s=600.0, all_errored_s=60.0), 19)
     one_completed.terminal("completed")
-    engines = guard(stall_s=600.0, all_errored_s=60.0)
-    for _ in range(20):
-        engines.terminal("errored", "engine_fenced", "engine e0 lost")
+    not_full = errored(guard(stall_s=600.0, all_errored_s=60.0), 19)
+    engines = errored(guard(stall_s=600.0, all_errored_s=60.0), 20, "engine_fenced", "engine e0 lost")
     for g in (one_completed, not_full, engines):
         assert not g.nothing_completes()
         assert g.verdict(300.0, trainer_busy=False, waiting_on="x") is None
@@ -88,11 +88,8 @@ def test_one_completion_a_window_not_yet_full_or_the_engines_errors_wait_the_who
 
 
 def test_every_rollout_errored_in_mixed_kinds_names_each_kind_with_its_count():
-    g = guard(stall_s=600.0, all_errored_s=30.0)
-    for _ in range(12):
-        g.terminal("errored", "reward_error", "reward r: KeyError: 'answer'")
-    for _ in range(8):
-        g.terminal("errored", "environment_error", "env: RuntimeError: down")
+    g = errored(guard(stall_s=600.0, all_errored_s=30.0), 12, "reward_error", "reward r: KeyError: 'answer'")
+    errored(g, 8, "environment_error", "env: RuntimeError: down")
     assert g.failing() is None  # 60% is below max_error_share
     assert g.verdict(31.0, trainer_busy=False, waiting_on="x") == (
         "no trainer step for 31s (run.all_errored_s = 30): the last 20 rollouts all errored: "
@@ -100,9 +97,7 @@ def test_every_rollout_errored_in_mixed_kinds_names_each_kind_with_its_count():
 
 
 def test_all_errored_s_is_never_longer_than_stall_s():
-    g = guard(stall_s=10.0, all_errored_s=60.0)
-    for _ in range(20):
-        g.terminal("errored", "reward_error", "m")
+    g = errored(guard(stall_s=10.0, all_errored_s=60.0), 20)
     assert g.verdict(10.0, trainer_busy=False, waiting_on="x").startswith(
         "no trainer step for 10s (run.all_errored_s = 10): the last 20 rollouts all errored")
 
@@ -113,10 +108,10 @@ def test_a_batchs_worth_of_errors_in_a_row_is_enough_when_a_batch_is_fewer_than_
     g = guard(stall_s=600.0, all_errored_s=60.0, window=20, batch_rollouts=8)
     for _ in range(12):
         g.terminal("completed")
-    for _ in range(7):
-        g.terminal("errored", "reward_timeout", "scoring took longer than task.score_timeout_s (2 s)")
+    timeout = "scoring took longer than task.score_timeout_s (2 s)"
+    errored(g, 7, "reward_timeout", timeout)
     assert not g.nothing_completes()
-    g.terminal("errored", "reward_timeout", "scoring took longer than task.score_timeout_s (2 s)")
+    errored(g, 1, "reward_timeout", timeout)
     assert g.nothing_completes()
     assert g.verdict(61.0, trainer_busy=False, waiting_on="x").startswith(
         "no trainer step for 61s (run.all_errored_s = 60): the last 8 rollouts all errored: errored(reward_timeout) 8")
