@@ -157,6 +157,7 @@ class IpcSender:
         # This attempt's announcements whose bytes are still in an arena (the last two): a restarted
         # engine that says hello mid-version is sent them (`_rejoined`).
         self._announced: dict[int, list[bytes]] = {}
+        self._count = 0  # buckets in this version
 
     #: `send(k)` returns while the engines may still read bucket k (see the module docstring).
     in_flight = 1
@@ -207,6 +208,8 @@ class IpcSender:
         if replaced is None or replaced[1] not in self._acked:
             return  # a first hello, or an engine this attempt does not send to
         index, old = replaced
+        if self._sent == self._count - 1 and self._acked[old] >= self._sent:
+            return  # it had every bucket before it restarted: the new socket takes part from the next version
         del self._acked[old]
         if self._sent >= 0 and 0 not in self._announced:
             raise TransportError(f"engine {index} restarted while version buckets were sent (a new hello after "
@@ -256,6 +259,7 @@ class IpcSender:
         self._acked = {peer: -1 for peer in self._targets()}
         self._sent = -1
         self._announced = {}
+        self._count = bucket_count
 
     def _slot_of(self, payload: memoryview | torch.Tensor) -> int:
         if isinstance(payload, torch.Tensor):  # a device payload: the plan packed into a CUDA arena

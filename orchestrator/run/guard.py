@@ -10,8 +10,8 @@ errored, that kind with one example message (which names the function or tool at
 otherwise what the run was waiting on. When the last rollouts errored, every one, by the user's
 code, and there are a batch's worth of them or a full window, whichever is fewer (no batch can
 fill: a reward that always raises or hangs, a broken tool), the wait is the shorter
-`run.all_errored_s`; errors of the engines' side are the fleet's to bound
-(`fleet.min_engines_wait_s`), not this.
+`run.all_errored_s`, counted from the last step or completion; errors of the engines' side are
+the fleet's to bound (`fleet.min_engines_wait_s`), not this.
 """
 
 from __future__ import annotations
@@ -19,8 +19,11 @@ from __future__ import annotations
 import itertools
 from collections import Counter, deque
 
-# Error kinds of the engines' side, not of the user's code: a window of them is the fleet's.
-ENGINE_SIDE_KINDS = frozenset({"engine_fenced", "version_unknown", "missing_logprobs"})
+# The error kinds of the user's code (orchestrator.scoring.outcome, orchestrator.run.episodes). Any
+# other is the engines' or the run's (an engine that died or timed out, a fenced one, a missing
+# logprob): a run of those is the fleet's to bound (`fleet.min_engines_wait_s`), not this.
+USER_CODE_KINDS = frozenset({"reward_error", "reward_timeout", "environment_error", "environment_timeout",
+                             "no_reward"})
 
 
 class ProgressGuard:
@@ -34,11 +37,15 @@ class ProgressGuard:
         self.outcomes: deque[tuple[str, str]] = deque(maxlen=window)  # (status, error kind or "")
         self.examples: dict[str, str] = {}  # error kind -> its latest message
         self.last_progress = started_at
+        self.last_completed = started_at  # a completion restarts the all-errored clock
 
-    def terminal(self, status: str, kind: str = "", message: str = "") -> None:
-        """A rollout ended. Dropped ones (stale, a group given up, a stop) say nothing of the code."""
+    def terminal(self, status: str, kind: str = "", message: str = "", at: float | None = None) -> None:
+        """A rollout ended (at `at`, monotonic, where the caller says). Dropped ones (stale, a group
+        given up, a stop) say nothing of the code."""
         if status == "completed":
             self.outcomes.append((status, ""))
+            if at is not None:
+                self.last_completed = max(self.last_completed, at)
         elif status == "errored":
             self.outcomes.append((status, kind))
             self.examples[kind] = message
@@ -62,7 +69,7 @@ class ProgressGuard:
         if len(self.outcomes) < self.hopeless_after:
             return False
         last = itertools.islice(reversed(self.outcomes), self.hopeless_after)
-        return all(status == "errored" and kind not in ENGINE_SIDE_KINDS for status, kind in last)
+        return all(status == "errored" and kind in USER_CODE_KINDS for status, kind in last)
 
     def verdict(self, now: float, *, trainer_busy: bool, waiting_on: str) -> str | None:
         """Why the run must stop now, or None."""
@@ -70,7 +77,9 @@ class ProgressGuard:
         if trainer_busy:
             return None
         if self.nothing_completes():
-            if stalled < self.all_errored_s:
+            # Counted from the last step or completion, whichever is later: a short outage of a
+            # judge in a run whose trainer waits long for its batches does not stop it at once.
+            if now - max(self.last_progress, self.last_completed) < self.all_errored_s:
                 return None
             # Each kind of the rollouts that made it hopeless, most frequent first, with an example.
             last = itertools.islice(reversed(self.outcomes), self.hopeless_after)

@@ -334,7 +334,7 @@ class RunLoop:
         record = build_rollout_record(entry.ctx, t, entry.completion, rewards,
                                       identity=self.run.identity, sampling=self.run.sampling)
         self.run.recorder.submit(record)
-        self.guard.terminal(t.status, t.reason or "", t.message)
+        self.guard.terminal(t.status, t.reason or "", t.message, time.monotonic())
         if t.status == "completed":
             entry.record = record  # its packed blobs become the trainer's sample
             entry.completion = settled(entry.completion)

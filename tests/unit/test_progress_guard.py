@@ -80,7 +80,9 @@ def test_one_completion_a_window_not_yet_full_or_the_engines_errors_wait_the_who
     one_completed = errored(guard(stall_s=600.0, all_errored_s=60.0), 19)
     one_completed.terminal("completed")
     not_full = errored(guard(stall_s=600.0, all_errored_s=60.0), 19)
-    engines = errored(guard(stall_s=600.0, all_errored_s=60.0), 20, "engine_fenced", "engine e0 lost")
+    engines = errored(guard(stall_s=600.0, all_errored_s=60.0), 8, "engine_fenced", "engine e0 lost")
+    errored(engines, 8, "engine_died", "engine e0 died mid-request")
+    errored(engines, 4, "engine_generate_error", "HTTP 500")
     for g in (one_completed, not_full, engines):
         assert not g.nothing_completes()
         assert g.verdict(300.0, trainer_busy=False, waiting_on="x") is None
@@ -117,3 +119,14 @@ def test_a_batchs_worth_of_errors_in_a_row_is_enough_when_a_batch_is_fewer_than_
         "no trainer step for 61s (run.all_errored_s = 60): the last 8 rollouts all errored: errored(reward_timeout) 8")
     g.terminal("completed")
     assert not g.nothing_completes() and g.verdict(61.0, trainer_busy=False, waiting_on="x") is None
+
+
+def test_the_all_errored_clock_counts_from_the_last_completion_when_it_is_later_than_the_last_step():
+    """A trainer that waits long for its batches is no error: a short outage of the judge (a batch's
+    worth of errors in a row) stops the run only all_errored_s after the last completion."""
+    g = guard(stall_s=600.0, all_errored_s=60.0, batch_rollouts=8)
+    g.terminal("completed", at=250.0)
+    errored(g, 8, "reward_timeout", "scoring took longer than task.score_timeout_s (2 s)")
+    assert g.nothing_completes()
+    assert g.verdict(300.0, trainer_busy=False, waiting_on="x") is None  # 300 s without a step, 50 since a completion
+    assert "the last 8 rollouts all errored" in g.verdict(310.0, trainer_busy=False, waiting_on="x")

@@ -80,8 +80,10 @@ class Engine:
     """One engine's receiving socket, raw: says hello with its index, then acknowledges every
     bucket announced to it, on a thread of its own; `received` is the bucket indices in order."""
 
-    def __init__(self, endpoint: str, index: int) -> None:
+    def __init__(self, endpoint: str, index: int, withhold: int | None = None) -> None:
         import zmq
+
+        self.withhold, self.release = withhold, threading.Event()  # bucket `withhold`: acked once released
 
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -98,6 +100,8 @@ class Engine:
                 _, _slot, raw, _length, _handle = self.sock.recv_multipart()
                 header = decode_header(raw)
                 self.received.append(header.index)
+                if header.index == self.withhold:
+                    self.release.wait(10)
                 self.sock.send_multipart([b"ack", str(header.index).encode(), str(header.attempt).encode()])
 
     def die(self) -> None:
@@ -147,3 +151,41 @@ def test_an_engine_restarted_past_bucket_0_fails_the_version_at_once_naming_it(s
     assert restarted.received == []
     for engine in (engines[0], restarted):
         engine.die()
+
+
+def test_an_engine_restarted_after_acknowledging_every_bucket_leaves_the_version_to_commit(sender):
+    """Its hello read while the trainer waits on another engine's last acknowledgement: the version
+    commits as it did before a hello mid-version was acted on; the new socket takes part from the next."""
+    import time
+
+    engines = [Engine(sender.endpoint, 0, withhold=2), Engine(sender.endpoint, 1)]
+    sender.connect()
+    sender.begin(1, 3)
+    for index in range(3):
+        announce(sender, index, 3)
+    old = sender._peer_of[1]
+    errors: list[BaseException] = []
+    commit = threading.Thread(target=lambda: _catching(lambda: sender.commit(1), errors))
+    commit.start()
+    deadline = time.monotonic() + 10
+    while sender._acked.get(old) != 2:  # engine 1's acknowledgement of the last bucket, counted
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    engines[1].die()
+    restarted = Engine(sender.endpoint, 1)
+    while sender._peer_of[1] == old:  # its hello, read by the waiting commit
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    engines[0].release.set()
+    commit.join(10)
+    assert not commit.is_alive() and not errors, errors
+    assert restarted.received == []
+    for engine in (engines[0], restarted):
+        engine.die()
+
+
+def _catching(call, errors: list) -> None:
+    try:
+        call()
+    except BaseException as exc:  # noqa: BLE001 - asserted by the caller
+        errors.append(exc)
