@@ -19,11 +19,13 @@ from __future__ import annotations
 import itertools
 from collections import Counter, deque
 
-# The error kinds of the user's code (orchestrator.scoring.outcome, orchestrator.run.episodes). Any
-# other is the engines' or the run's (an engine that died or timed out, a fenced one, a missing
-# logprob): a run of those is the fleet's to bound (`fleet.min_engines_wait_s`), not this.
-USER_CODE_KINDS = frozenset({"reward_error", "reward_timeout", "environment_error", "environment_timeout",
-                             "no_reward"})
+from orchestrator.run.episodes import ENVIRONMENT_ERROR, ENVIRONMENT_TIMEOUT, NO_REWARD
+from orchestrator.scoring.outcome import REWARD_ERROR, REWARD_TIMEOUT
+
+# The error kinds of the user's code. Any other is the engines' or the run's (an engine that died
+# or timed out, a fenced one, a missing logprob): a run of those is the fleet's to bound
+# (`fleet.min_engines_wait_s`), not this.
+USER_CODE_KINDS = frozenset({REWARD_ERROR, REWARD_TIMEOUT, ENVIRONMENT_ERROR, ENVIRONMENT_TIMEOUT, NO_REWARD})
 
 
 class ProgressGuard:
@@ -45,7 +47,7 @@ class ProgressGuard:
         if status == "completed":
             self.outcomes.append((status, ""))
             if at is not None:
-                self.last_completed = max(self.last_completed, at)
+                self.last_completed = at
         elif status == "errored":
             self.outcomes.append((status, kind))
             self.examples[kind] = message
